@@ -1,0 +1,116 @@
+"""Persistent backends and the store directory they live in.
+
+A store directory holds ``kvtier-store.json`` (what kvtier wrote it, with which backend and
+on-disk layout version) and the backend's own files. ``open_backend`` refuses directories
+that are not kvtier stores, stores of another backend, and stores of a newer layout, with
+a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+
+from kvtier.backends.base import Backend, EntryInfo, PutItem
+from kvtier.config import CacheConfig
+from kvtier.errors import StoreError, StoreFormatError
+
+MARKER = "kvtier-store.json"
+LOCKFILE = "kvtier.lock"
+STORE_LAYOUT_VERSION = 1
+
+__all__ = ["Backend", "EntryInfo", "PutItem", "open_backend", "read_marker", "StoreLock"]
+
+
+def _backend_class(name: str) -> type[Backend]:
+    if name == "lmdb":
+        from kvtier.backends.lmdb import LmdbBackend
+
+        return LmdbBackend
+    from kvtier.backends.files import FilesBackend
+
+    return FilesBackend
+
+
+def read_marker(root: Path) -> dict[str, object]:
+    """Read and check a store's marker; raise :class:`StoreError` with advice if unusable."""
+    if not root.exists():
+        raise StoreError(f"{root}: no such directory; check the path (a store is created by the first save)")
+    if not root.is_dir():
+        raise StoreError(f"{root}: not a directory; pass the store directory")
+    marker = root / MARKER
+    try:
+        info = json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{root}: not a kvtier store (no {MARKER}); pass the directory a kvtier cache was opened on") from None
+    except PermissionError:
+        raise StoreError(f"{root}: cannot read {MARKER} (permission denied); run as the store's owner") from None
+    except (ValueError, OSError) as exc:
+        raise StoreError(f"{root}: {MARKER} is unreadable ({exc}); the store marker is damaged") from None
+    if not isinstance(info, dict) or info.get("format") != "kvtier-store":
+        raise StoreError(f"{root}: {MARKER} is not a kvtier store marker")
+    version = info.get("layout_version")
+    if not isinstance(version, int) or version > STORE_LAYOUT_VERSION:
+        raise StoreFormatError(
+            f"{root}: store layout version {version} was written by a newer kvtier "
+            f"(this one reads version {STORE_LAYOUT_VERSION}); upgrade kvtier or use another path"
+        )
+    if version < STORE_LAYOUT_VERSION:
+        raise StoreFormatError(
+            f"{root}: store layout version {version} is older than this kvtier's "
+            f"({STORE_LAYOUT_VERSION}); delete the directory or point the cache at a new path"
+        )
+    if info.get("backend") not in ("lmdb", "files"):
+        raise StoreError(f"{root}: unknown backend {info.get('backend')!r} in {MARKER}")
+    return info
+
+
+def _create_marker(root: Path, backend: str) -> None:
+    from kvtier.backends.base import write_json_atomic
+
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if any(p.name not in (MARKER, LOCKFILE) and not p.name.startswith(f".{MARKER}") for p in root.iterdir()):
+        raise StoreError(
+            f"{root}: directory is not empty and is not a kvtier store; choose an empty or new directory"
+        )
+    write_json_atomic(root / MARKER, {
+        "format": "kvtier-store", "layout_version": STORE_LAYOUT_VERSION,
+        "backend": backend, "created": time.time(),
+    })
+
+
+class StoreLock:
+    """An advisory lock on a store: shared by every user, exclusive for maintenance (compact)."""
+
+    def __init__(self, root: Path, exclusive: bool = False) -> None:
+        self._fd = os.open(root / LOCKFILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise StoreError(
+                f"{root}: the store is in use by another process; "
+                + ("stop the server using it first" if exclusive else "it is being compacted, retry shortly")
+            ) from None
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = True) -> Backend:
+    """Open (creating if allowed) the store at ``config.path`` with the configured backend."""
+    root = config.path
+    if create and not readonly and not (root / MARKER).exists():
+        _create_marker(root, config.backend)
+    info = read_marker(root)
+    if info["backend"] != config.backend:
+        raise StoreError(
+            f"{root}: store was created with backend {info['backend']!r}, config asks for "
+            f"{config.backend!r}; set backend={info['backend']!r} or use another path"
+        )
+    return _backend_class(config.backend)(root, config, readonly=readonly)

@@ -1,0 +1,175 @@
+"""The library API: save, find and load the KV of token sequences, without vLLM.
+
+    from kvtier import KVCache, Namespace
+
+    ns = Namespace(model="my-model", weights_fingerprint="sha256:...", dtype="bfloat16",
+                   kv_shape=(layers, 2, kv_heads, head_dim))
+    with KVCache.open("/data/kvcache", ns) as cache:
+        cache.save(tokens, kv)                  # kv: [layers, 2, len(tokens), kv_heads, head_dim]
+        n = cache.lookup(tokens)                # longest cached prefix, in tokens
+        kv_prefix = cache.load(tokens)          # [layers, 2, n, kv_heads, head_dim]
+
+Chunks are ``namespace.chunk_tokens`` tokens; the trailing part of a sequence is saved too,
+rounded down to ``tail_granularity`` tokens, so an exact re-sent sequence hits in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.codec import dtype_name
+from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
+from kvtier.keys import (
+    NO_EXTRAS,
+    ChunkRef,
+    Namespace,
+    RequestExtras,
+    as_token_array,
+    chain_seed,
+    chunk_keys,
+    partial_candidates,
+)
+from kvtier.store import ChunkStore
+
+TOKEN_AXIS = 2  # canonical layout [layers, k/v, tokens, kv_heads, head_dim]
+
+
+class KVCache:
+    """A cache of one namespace's KV over a :class:`ChunkStore`."""
+
+    def __init__(self, store: ChunkStore, namespace: Namespace, *, tail_granularity: int = 16,
+                 owns_store: bool = True) -> None:
+        if namespace.chunk_tokens != store.config.chunk_tokens:
+            raise ConfigError(
+                f"chunk_tokens: namespace says {namespace.chunk_tokens}, store config says "
+                f"{store.config.chunk_tokens}; they must agree")
+        if not 0 < tail_granularity <= namespace.chunk_tokens or namespace.chunk_tokens % tail_granularity:
+            raise ConfigError(
+                f"tail_granularity: must divide chunk_tokens ({namespace.chunk_tokens}), got {tail_granularity}")
+        self.store = store
+        self.namespace = namespace
+        self.tail_granularity = tail_granularity
+        self._owns_store = owns_store
+        self._dtype = _torch_dtype(namespace.dtype)
+        if not store.readonly:
+            store.backend.register_namespace(namespace.id, namespace.describe())
+
+    @classmethod
+    def open(cls, path: str | Path, namespace: Namespace, config: CacheConfig | None = None,
+             *, tail_granularity: int = 16, readonly: bool = False) -> KVCache:
+        """Open (creating if needed) the store at ``path`` for ``namespace``."""
+        cfg = replace(config, path=Path(path)) if config else CacheConfig(
+            path=Path(path), chunk_tokens=namespace.chunk_tokens)
+        return cls(ChunkStore(cfg, readonly=readonly), namespace, tail_granularity=tail_granularity)
+
+    # -- keys ----------------------------------------------------------------------
+    def _seed(self, extras: RequestExtras) -> bytes:
+        return chain_seed(self.namespace, extras)
+
+    def chunks(self, tokens: Sequence[int] | np.ndarray, extras: RequestExtras = NO_EXTRAS) -> list[ChunkRef]:
+        """The chunks a save of ``tokens`` writes (full chunks, then the rounded-down tail)."""
+        return chunk_keys(as_token_array(tokens), self._seed(extras), self.namespace.chunk_tokens,
+                          self.tail_granularity)
+
+    def match(self, tokens: Sequence[int] | np.ndarray, extras: RequestExtras = NO_EXTRAS) -> list[ChunkRef]:
+        """The stored chunks covering the longest cached prefix of ``tokens``, in order."""
+        arr = as_token_array(tokens)
+        seed = self._seed(extras)
+        full = chunk_keys(arr, seed, self.namespace.chunk_tokens, None)
+        n = self.store.count_present_prefix([c.key for c in full])
+        hits = full[:n]
+        parent = hits[-1].key if hits else seed
+        start = hits[-1].end if hits else 0
+        for cand in partial_candidates(arr, parent, start, self.namespace.chunk_tokens, self.tail_granularity):
+            if self.store.count_present_prefix([cand.key]):
+                hits.append(cand)
+                break
+        return hits
+
+    # -- operations ----------------------------------------------------------------
+    def save(self, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+             extras: RequestExtras = NO_EXTRAS) -> int:
+        """Queue the KV of ``tokens`` for storage; return the number of tokens queued.
+
+        ``kv`` is ``[layers, 2, len(tokens), kv_heads, head_dim]`` in the namespace's dtype.
+        Chunks already stored are skipped. Saving is write-behind: call :meth:`flush` to wait.
+        """
+        arr = as_token_array(tokens)
+        self._check_kv(kv, len(arr))
+        kv = kv.detach().cpu()
+        queued = 0
+        for ref in self.chunks(arr, extras):
+            if self.store.count_present_prefix([ref.key]):
+                continue
+            chunk = kv.narrow(TOKEN_AXIS, ref.start, ref.num_tokens).contiguous()
+            if chunk.data_ptr() == kv.data_ptr() and chunk.numel() == kv.numel():
+                chunk = chunk.clone()  # the store owns what it is given; never alias the caller's tensor
+            if self.store.put(ref.key, chunk, namespace_id=self.namespace.id,
+                              token_start=ref.start, num_tokens=ref.num_tokens):
+                queued += ref.num_tokens
+        return queued
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, extras: RequestExtras = NO_EXTRAS) -> int:
+        """Length in tokens of the longest cached prefix of ``tokens``."""
+        hits = self.match(tokens, extras)
+        return hits[-1].end if hits else 0
+
+    def load(self, tokens: Sequence[int] | np.ndarray, extras: RequestExtras = NO_EXTRAS,
+             max_tokens: int | None = None) -> torch.Tensor:
+        """The KV of the longest loadable cached prefix: ``[layers, 2, n, kv_heads, head_dim]``.
+
+        Every chunk is verified; loading stops at the first chunk that is missing or fails
+        verification, so the result is always a correct (possibly shorter, possibly empty) prefix.
+        """
+        hits = self.match(tokens, extras)
+        if max_tokens is not None:
+            hits = [h for h in hits if h.end <= max_tokens]
+        n = hits[-1].end if hits else 0
+        layers, two, heads, dim = self.namespace.kv_shape
+        out = torch.empty((layers, two, n, heads, dim), dtype=self._dtype)
+        for ref in hits:
+            dst = out.narrow(TOKEN_AXIS, ref.start, ref.num_tokens)
+            got = self.store.get(ref.key)
+            if got is None or tuple(got.shape) != tuple(dst.shape) or got.dtype != dst.dtype:
+                return out.narrow(TOKEN_AXIS, 0, ref.start).clone()
+            dst.copy_(got)
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued saves are on the persistent tier."""
+        return self.store.flush(timeout)
+
+    def stats(self) -> dict[str, object]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_kv(self, kv: torch.Tensor, n_tokens: int) -> None:
+        layers, two, heads, dim = self.namespace.kv_shape
+        want = (layers, two, n_tokens, heads, dim)
+        if tuple(kv.shape) != want:
+            raise ValueError(f"kv must have shape {list(want)} ([layers, 2, tokens, kv_heads, head_dim]), got {list(kv.shape)}")
+        if kv.dtype != self._dtype:
+            raise ValueError(f"kv dtype {kv.dtype} differs from the namespace's {self.namespace.dtype}")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ConfigError(f"dtype: unknown torch dtype {name!r}")
+    assert dtype_name(dt) == name.removeprefix("torch.")
+    return dt

@@ -1,0 +1,219 @@
+"""One self-describing record per chunk: a checked header followed by the payload.
+
+Layout (little-endian)::
+
+    magic "KVTIER\\0\\1" | format_version u16 | header_len u16 | codec u8 | dtype u8
+    | layout u8 | ndim u8 | num_tokens u32 | token_start u64 | created_ns u64
+    | raw_len u64 | payload_len u64 | key 32B | namespace_id 16B | payload_xxh3_128 16B
+    | dims u64 * ndim | header_xxh3_64 u64 | payload
+
+Decoding trusts nothing it has not checked: the header has its own checksum, lengths and
+the shape are cross-checked before anything is allocated, and the payload checksum is
+verified before a byte reaches the caller. No pickle, no torch.load: data cannot run code.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from kvtier.errors import IncompatibleRecord, RecordError
+from kvtier.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_ID_BYTES
+
+MAGIC = b"KVTIER\x00\x01"
+_FIXED = struct.Struct("<8sHHBBBBIQQQQ32s16s16s")
+_U64 = struct.Struct("<Q")
+MAX_NDIM = 8
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1  # zstandard over byte planes (shuffled) for multi-byte dtypes
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd+shuffle"}
+
+LAYOUTS = {1: "LKTHD"}  # [layers, k/v, tokens, kv_heads, head_dim]
+LAYOUT_CODES = {v: k for k, v in LAYOUTS.items()}
+
+DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float16,
+    3: torch.bfloat16,
+    4: torch.float8_e4m3fn,
+    5: torch.float8_e5m2,
+    6: torch.int8,
+    7: torch.uint8,
+}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    format_version: int
+    header_len: int
+    codec: int
+    dtype: torch.dtype
+    layout: str
+    shape: tuple[int, ...]
+    num_tokens: int
+    token_start: int
+    created_ns: int
+    raw_len: int
+    payload_len: int
+    key: bytes
+    namespace_id: bytes
+    checksum: bytes
+
+    @property
+    def record_len(self) -> int:
+        return self.header_len + self.payload_len
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+def _shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    if itemsize == 1:
+        return raw
+    return np.ascontiguousarray(raw.reshape(-1, itemsize).T).reshape(-1)
+
+
+def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    if itemsize == 1:
+        return planes
+    return np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
+
+
+def encode(
+    tensor: torch.Tensor,
+    *,
+    key: bytes,
+    namespace_id: bytes,
+    token_start: int,
+    num_tokens: int,
+    compression: str = "none",
+    level: int = 3,
+    layout: str = "LKTHD",
+) -> tuple[bytes, memoryview]:
+    """Encode a CPU tensor as ``(header, payload)``; the raw payload is a view, not a copy."""
+    if tensor.device.type != "cpu":
+        raise ValueError("encode() takes a CPU tensor; stage device tensors into host memory first")
+    if tensor.dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype {tensor.dtype} is not supported by the record format")
+    if len(key) != KEY_BYTES or len(namespace_id) != NAMESPACE_ID_BYTES:
+        raise ValueError("key must be 32 bytes and namespace_id 16 bytes")
+    if tensor.dim() > MAX_NDIM:
+        raise ValueError(f"at most {MAX_NDIM} dimensions, got {tensor.dim()}")
+    raw = _byte_view(tensor)
+    if compression == "zstd":
+        codec = CODEC_ZSTD
+        planes = _shuffle(raw, tensor.element_size())
+        payload = memoryview(zstandard.ZstdCompressor(level=level).compress(planes))
+    else:
+        codec = CODEC_RAW
+        payload = memoryview(raw).cast("B")
+    checksum = xxhash.xxh3_128_digest(payload)
+    header_len = _FIXED.size + 8 * tensor.dim() + 8
+    head = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, header_len, codec, DTYPE_CODES[tensor.dtype], LAYOUT_CODES[layout],
+        tensor.dim(), num_tokens, token_start, time.time_ns(), raw.nbytes, payload.nbytes,
+        key, namespace_id, checksum,
+    ) + b"".join(_U64.pack(d) for d in tensor.shape)
+    return head + _U64.pack(xxhash.xxh3_64_intdigest(head)), payload
+
+
+def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30) -> RecordHeader:
+    """Parse and validate a header against the buffer it came from.
+
+    ``buf`` may be just the header (then payload length is not checked against it) or
+    the whole record. Raises :class:`RecordError` for anything malformed.
+    """
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _FIXED.size + 8:
+        raise RecordError(f"record too short for a header ({len(mv)} bytes)")
+    (magic, version, header_len, codec, dtype_code, layout_code, ndim, num_tokens, token_start,
+     created_ns, raw_len, payload_len, key, ns_id, checksum) = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise RecordError("bad magic: not a kvtier record")
+    if header_len != _FIXED.size + 8 * ndim + 8 or ndim > MAX_NDIM or len(mv) < header_len:
+        raise RecordError(f"bad header length {header_len} for {ndim} dimensions")
+    (stored_hsum,) = _U64.unpack_from(mv, header_len - 8)
+    if xxhash.xxh3_64_intdigest(mv[: header_len - 8]) != stored_hsum:
+        raise RecordError("header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise IncompatibleRecord(f"record format version {version}, this kvtier reads {FORMAT_VERSION}")
+    if codec not in CODEC_NAMES or dtype_code not in DTYPES or layout_code not in LAYOUTS:
+        raise RecordError("unknown codec, dtype or layout code")
+    shape = tuple(_U64.unpack_from(mv, _FIXED.size + 8 * i)[0] for i in range(ndim))
+    dtype = DTYPES[dtype_code]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n_items = 1
+    for d in shape:
+        n_items *= d
+        if n_items * itemsize > max_record_bytes:
+            raise RecordError(f"shape {shape} exceeds max_record_bytes ({max_record_bytes})")
+    if n_items * itemsize != raw_len:
+        raise RecordError(f"shape {shape} of {dtype} does not match raw length {raw_len}")
+    if payload_len > max_record_bytes or (codec == CODEC_RAW and payload_len != raw_len):
+        raise RecordError(f"implausible payload length {payload_len}")
+    if len(mv) > header_len and len(mv) != header_len + payload_len:
+        raise RecordError(f"record is {len(mv)} bytes, header says {header_len + payload_len}")
+    return RecordHeader(version, header_len, codec, dtype, LAYOUTS[layout_code], shape, num_tokens,
+                        token_start, created_ns, raw_len, payload_len, key, ns_id, checksum)
+
+
+def verify_payload(header: RecordHeader, record: bytes | memoryview) -> memoryview:
+    """Return the payload view after checking its length and checksum."""
+    mv = memoryview(record).cast("B")
+    payload = mv[header.header_len :]
+    if len(payload) != header.payload_len:
+        raise RecordError(f"payload is {len(payload)} bytes, header says {header.payload_len} (truncated?)")
+    if xxhash.xxh3_128_digest(payload) != header.checksum:
+        raise RecordError("payload checksum mismatch")
+    return payload
+
+
+def decode(
+    record: bytes | memoryview,
+    *,
+    expect_key: bytes | None = None,
+    out: torch.Tensor | None = None,
+    max_record_bytes: int = 1 << 30,
+) -> tuple[RecordHeader, torch.Tensor]:
+    """Validate a whole record and return its tensor (written into ``out`` when given).
+
+    ``expect_key`` guards against a record filed under the wrong key (a misplaced file).
+    """
+    header = decode_header(record, max_record_bytes=max_record_bytes)
+    if expect_key is not None and header.key != expect_key:
+        raise RecordError("record key does not match the key it was looked up by")
+    payload = verify_payload(header, record)
+    if header.codec == CODEC_ZSTD:
+        try:
+            planes = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_len)
+        except zstandard.ZstdError as exc:
+            raise RecordError(f"zstd payload does not decompress: {exc}") from exc
+        if len(planes) != header.raw_len:
+            raise RecordError("decompressed length does not match the header")
+        itemsize = torch.empty((), dtype=header.dtype).element_size()
+        raw = _unshuffle(np.frombuffer(planes, dtype=np.uint8), itemsize)
+    else:
+        raw = np.frombuffer(payload, dtype=np.uint8)
+    if out is None:
+        out = torch.empty(header.shape, dtype=header.dtype)
+    elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
+        raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
+    if not out.is_contiguous() or out.device.type != "cpu":
+        out.copy_(decode(record, max_record_bytes=max_record_bytes)[1])
+        return header, out
+    # numpy copy: the source may be a read-only view (an LMDB map), which torch cannot wrap.
+    np.copyto(out.view(torch.uint8).reshape(-1).numpy(), raw)
+    return header, out

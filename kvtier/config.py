@@ -1,0 +1,109 @@
+"""Store configuration: every setting, its default, and validation with clear messages.
+
+``docs/configuration.md`` explains each setting and why its default is what it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.units import parse_size
+
+BACKENDS = ("lmdb", "files")
+DURABILITY = ("process", "power")
+COMPRESSION = ("none", "zstd")
+
+
+def default_store_path() -> Path:
+    """``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``."""
+    if os.environ.get("KVTIER_CACHE_DIR"):
+        return Path(os.environ["KVTIER_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtier"
+
+
+@dataclass
+class CacheConfig:
+    """Settings of one store. Sizes accept ints (bytes) or strings such as ``"512M"``."""
+
+    path: Path = dataclasses.field(default_factory=default_store_path)
+    backend: str = "lmdb"
+    chunk_tokens: int = 256
+    host_bytes: int | str = "1G"
+    disk_bytes: int | str = "64G"
+    write_queue_bytes: int | str = "256M"
+    durability: str = "process"
+    compression: str = "none"
+    compression_level: int = 3
+    io_threads: int = 4
+    commit_bytes: int | str = "64M"
+    max_record_bytes: int | str = "1G"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str = "kvtier config") -> CacheConfig:
+        """Build from a plain dict (e.g. vLLM's ``kv_connector_extra_config``).
+
+        Unknown keys are an error, with the closest known name suggested.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"{where}: unknown setting {key!r}{hint}; known settings: {', '.join(sorted(known))}"
+                )
+        return cls(**values)
+
+    def validate(self) -> None:
+        if isinstance(self.path, str):
+            if not self.path.strip():
+                raise ConfigError("path: must name a directory, got an empty string")
+            self.path = Path(self.path)
+        if not isinstance(self.path, Path):
+            raise ConfigError(f"path: expected a directory path, got {self.path!r}")
+        self.path = self.path.expanduser()
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"path: {self.path} exists and is not a directory; choose a directory for the store")
+        _choice("backend", self.backend, BACKENDS)
+        _choice("durability", self.durability, DURABILITY)
+        _choice("compression", self.compression, COMPRESSION)
+        _positive_int("chunk_tokens", self.chunk_tokens)
+        _positive_int("io_threads", self.io_threads)
+        if not isinstance(self.compression_level, int) or not 1 <= self.compression_level <= 22:
+            raise ConfigError(f"compression_level: must be an integer from 1 to 22, got {self.compression_level!r}")
+        self.host_bytes = parse_size(self.host_bytes, "host_bytes")
+        self.disk_bytes = parse_size(self.disk_bytes, "disk_bytes")
+        self.write_queue_bytes = parse_size(self.write_queue_bytes, "write_queue_bytes")
+        self.commit_bytes = parse_size(self.commit_bytes, "commit_bytes")
+        self.max_record_bytes = parse_size(self.max_record_bytes, "max_record_bytes")
+        if self.disk_bytes == 0:
+            raise ConfigError("disk_bytes: must be above 0; the persistent tier needs a byte budget (e.g. 64G)")
+        if self.commit_bytes == 0:
+            raise ConfigError("commit_bytes: must be above 0 (e.g. 64M)")
+        if self.max_record_bytes < 4096:
+            raise ConfigError("max_record_bytes: must be at least 4K")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["path"] = str(self.path)
+        return d
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")

@@ -1,0 +1,31 @@
+"""Exceptions kvtier raises to its callers.
+
+Storage faults on the serving path (corrupt records, I/O errors, a full disk) are *not*
+raised: they become misses and counters. These exceptions are for mistakes a user can fix.
+"""
+
+from __future__ import annotations
+
+
+class KVTierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration value is invalid; the message names the setting and what is allowed."""
+
+
+class StoreError(KVTierError):
+    """A store directory cannot be used as asked (not a store, other backend, other format)."""
+
+
+class StoreFormatError(StoreError):
+    """The store was written by a kvtier whose on-disk format this version cannot read."""
+
+
+class RecordError(KVTierError):
+    """A stored record failed validation (bad magic, header, length, shape or checksum)."""
+
+
+class IncompatibleRecord(RecordError):
+    """A record is intact but of another record-format version: treated as a miss."""

@@ -1,0 +1,166 @@
+"""Content keys: a namespace plus a chained SHA-256 over token ids, one key per chunk.
+
+Chunk i's key covers every token before it (it hashes its parent's key), so a key names a
+whole prefix, not just its own tokens. Keys are stable across processes and restarts: they
+depend only on token ids, the namespace and the request extras, never on Python's ``hash``.
+SHA-256 (not a fast non-cryptographic hash) because a crafted prompt must not be able to
+collide with another tenant's prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+# Bump when the meaning of stored bytes changes; it is part of every namespace.
+FORMAT_VERSION = 1
+
+KEY_BYTES = 32
+NAMESPACE_ID_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the KV bytes of a token prefix.
+
+    Two processes share cached KV only if every field is equal. ``kv_shape`` is the
+    canonical per-token shape ``(layers, 2, kv_heads, head_dim)`` of this rank's heads.
+    """
+
+    model: str
+    weights_fingerprint: str
+    dtype: str
+    kv_shape: tuple[int, int, int, int]
+    chunk_tokens: int = 256
+    layout: str = "LKTHD"
+    tp_rank: int = 0
+    tp_size: int = 1
+    format_version: int = FORMAT_VERSION
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_shape", tuple(int(d) for d in self.kv_shape))
+        if len(self.kv_shape) != 4 or self.kv_shape[1] != 2 or min(self.kv_shape) <= 0:
+            raise ValueError(f"kv_shape must be (layers, 2, kv_heads, head_dim), got {self.kv_shape}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} must be in [0, tp_size={self.tp_size})")
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready description (what ``kvtier ls`` shows)."""
+        d = asdict(self)
+        d["kv_shape"] = list(self.kv_shape)
+        d["extra"] = dict(self.extra)
+        return d
+
+    @property
+    def id(self) -> bytes:
+        """16-byte identifier: SHA-256 of the canonical JSON description."""
+        blob = json.dumps(self.describe(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).digest()[:NAMESPACE_ID_BYTES]
+
+
+@dataclass(frozen=True)
+class RequestExtras:
+    """Per-request inputs that change KV beyond the token ids.
+
+    ``cache_salt`` isolates tenants; ``lora`` names the adapter (name and path or id);
+    ``mm_hashes`` are the content hashes of multimodal inputs with their token offsets.
+    """
+
+    cache_salt: str | None = None
+    lora: str | None = None
+    mm_hashes: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    def canonical(self) -> bytes:
+        return json.dumps(
+            {"salt": self.cache_salt, "lora": self.lora, "mm": [list(m) for m in self.mm_hashes]},
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+
+
+NO_EXTRAS = RequestExtras()
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """A chunk of a token sequence: tokens ``[start, end)`` and the key naming that prefix."""
+
+    key: bytes
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def chain_seed(namespace: Namespace, extras: RequestExtras = NO_EXTRAS) -> bytes:
+    """The parent 'key' of chunk 0: binds the namespace and the request extras."""
+    h = hashlib.sha256(b"kvtier-chain\x00")
+    h.update(namespace.id)
+    h.update(extras.canonical())
+    return h.digest()
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a little-endian uint32 array (hashing views of it costs no copies)."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4"):
+        return tokens
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4")
+
+
+def child_key(parent: bytes, tokens: np.ndarray) -> bytes:
+    """Key of the chunk ``tokens`` that follows the prefix named ``parent``."""
+    h = hashlib.sha256(parent)
+    h.update(len(tokens).to_bytes(4, "little"))
+    h.update(memoryview(tokens).cast("B"))
+    return h.digest()
+
+
+def chunk_keys(
+    tokens: np.ndarray,
+    seed: bytes,
+    chunk_tokens: int,
+    tail_granularity: int | None = None,
+) -> list[ChunkRef]:
+    """Keys of the full chunks of ``tokens`` and, optionally, of its trailing partial chunk.
+
+    The trailing partial chunk is rounded down to a multiple of ``tail_granularity``
+    (e.g. vLLM's block size); ``None`` means no partial chunk.
+    """
+    refs: list[ChunkRef] = []
+    parent = seed
+    n = len(tokens)
+    full = n // chunk_tokens
+    for i in range(full):
+        s = i * chunk_tokens
+        parent = child_key(parent, tokens[s : s + chunk_tokens])
+        refs.append(ChunkRef(parent, s, s + chunk_tokens))
+    if tail_granularity:
+        s = full * chunk_tokens
+        tail = (n - s) // tail_granularity * tail_granularity
+        if tail:
+            refs.append(ChunkRef(child_key(parent, tokens[s : s + tail]), s, s + tail))
+    return refs
+
+
+def partial_candidates(
+    tokens: np.ndarray, parent: bytes, start: int, chunk_tokens: int, granularity: int
+) -> list[ChunkRef]:
+    """Partial chunks at ``start``, longest first, that a lookup may find after the last full hit."""
+    avail = min(len(tokens) - start, chunk_tokens - 1)
+    longest = avail // granularity * granularity
+    return [
+        ChunkRef(child_key(parent, tokens[start : start + n]), start, start + n)
+        for n in range(longest, 0, -granularity)
+    ]

