@@ -1,0 +1,243 @@
+"""``KVTierConnector``: vLLM's KV-connector interface over kvtier's tiered store.
+
+One class serves both roles vLLM creates: the scheduler role (prefix lookups, load and save
+plans; :mod:`kvtier.vllm.scheduler_side`) and the worker role (copies between paged blocks
+and chunks; :mod:`kvtier.vllm.worker_side`). When the model's KV is something kvtier does
+not handle (hybrid/mamba, MLA, sliding window, quantized KV, an unknown attention backend)
+the connector logs one line and turns itself off; the engine serves normally.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.errors import ConfigError
+from kvtier.store import ChunkStore
+from kvtier.vllm.layout import BACKEND_CONTENT, UnsupportedLayout
+from kvtier.vllm.metadata import KVTierMetadata
+from kvtier.vllm.namespace import build_namespace, kv_geometry, model_fingerprint
+from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.settings import ConnectorSettings
+from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier")
+
+
+def _route_logs_through_vllm() -> None:
+    """Send kvtier's log lines through vLLM's handlers (same format, same destination)."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
+_route_logs_through_vllm()
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.DISK if hasattr(CacheHitSource, "DISK") else CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
+        # A cache miss must never fail a request: vLLM reads this right after creating us.
+        ktc.kv_load_failure_policy = self.settings.load_failure_policy
+        self._can_save = ktc.kv_role in ("kv_both", "kv_producer")
+        self._can_load = ktc.kv_role in ("kv_both", "kv_consumer")
+        self._store: ChunkStore | None = None
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self.disabled_reason: str | None = None
+        # When the worker side is off but the scheduler side planned loads/saves, the worker
+        # still answers: loads fail (vLLM recomputes), saves complete at once.
+        self._orphan_loads: set[str] = set()
+        self._orphan_saves: set[str] = set()
+        self._orphan_blocks: set[int] = set()
+
+        geometry, reason = kv_geometry(kv_cache_config)
+        if geometry is None:
+            self._disable(reason)
+            return
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            self._disable("pipeline parallelism (each stage would need its own namespace)")
+            return
+        if self.settings.cache.chunk_tokens % geometry.block_size:
+            raise ConfigError(
+                f"chunk_tokens: {self.settings.cache.chunk_tokens} must be a multiple of vLLM's "
+                f"block_size ({geometry.block_size}); e.g. set chunk_tokens to "
+                f"{max(1, 256 // geometry.block_size) * geometry.block_size}")
+        self._geometry = geometry
+        # Open the store first: the weights-fingerprint cache lives inside it.
+        self._store = ChunkStore(self.settings.cache)
+        self._fingerprint = model_fingerprint(vllm_config, self.settings)
+        if role == KVConnectorRole.SCHEDULER:
+            tp = int(vllm_config.parallel_config.tensor_parallel_size)
+            namespaces = [build_namespace(vllm_config, geometry, self.settings, self._fingerprint, r)
+                          for r in range(tp)]
+            self._sched = SchedulerSide(self._store, namespaces, geometry.block_size,
+                                        can_load=self._can_load, can_save=self._can_save,
+                                        save_partial=self.settings.save_partial_chunks)
+            log.info("kvtier: connector on (%s, store %s, backend %s, namespace %s)",
+                     ktc.kv_role, self.settings.cache.path, self.settings.cache.backend,
+                     namespaces[0].id.hex())
+
+    def _disable(self, reason: str) -> None:
+        self.disabled_reason = reason
+        if self.role == KVConnectorRole.SCHEDULER:
+            log.warning("kvtier: connector disabled for this model: %s; serving without a KV cache tier", reason)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is only a future miss
+
+    # ============================== worker side ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.disabled_reason:
+            return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        g = self._geometry
+        names = [n for n in g.layer_names if n in kv_caches]
+        if len(names) != len(g.layer_names):
+            self._disable_worker("KV caches of some layers were not registered")
+            return
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        backends = {ctx[n].attn_backend.get_name() for n in names if n in ctx and hasattr(ctx[n], "attn_backend")}
+        contents = {BACKEND_CONTENT.get(b) for b in backends}
+        if len(contents) != 1 or None in contents:
+            self._disable_worker(f"attention backend {sorted(backends)} has a KV layout kvtier does not handle")
+            return
+        rank = get_tensor_model_parallel_rank()
+        ns = build_namespace(self._vllm_config, g, self.settings, self._fingerprint, rank)
+        try:
+            self._worker = WorkerSide(self._store, ns, names, kv_caches, contents.pop(), g.block_size)
+        except UnsupportedLayout as exc:
+            self._disable_worker(f"unexpected KV tensor layout ({exc})")
+            return
+        self._store.backend.register_namespace(ns.id, ns.describe())
+
+    def _disable_worker(self, reason: str) -> None:
+        self.disabled_reason = reason
+        log.warning("kvtier: connector disabled on this worker: %s; serving without it", reason)
+
+    def _meta(self) -> KVTierMetadata | None:
+        if self._worker is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KVTierMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is not None and meta.loads:
+            self._worker.start_loads(meta)  # type: ignore[union-attr]
+        elif self._worker is None and self.has_connector_metadata():
+            orphan = self._get_connector_metadata()
+            if isinstance(orphan, KVTierMetadata):
+                for spec in orphan.loads:
+                    self._orphan_loads.add(spec.req_id)
+                    for chunk in spec.chunks:
+                        self._orphan_blocks.update(chunk.block_ids)
+                self._orphan_saves.update(s.req_id for s in orphan.saves)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs only after its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is None or not meta.saves:
+            return
+        try:
+            self._worker.save_layer(meta, layer_name)  # type: ignore[union-attr]
+        except Exception as exc:  # a failed copy costs a future miss, never the step
+            log.warning("kvtier: staging a save failed: %s", exc)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            try:
+                self._worker.finish_saves()
+            except Exception as exc:
+                log.warning("kvtier: handing saves to the store failed: %s", exc)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            sending = finished_req_ids & self._orphan_saves
+            self._orphan_saves -= sending
+            recving, self._orphan_loads = self._orphan_loads, set()
+            return sending or None, recving or None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            blocks, self._orphan_blocks = self._orphan_blocks, set()
+            return blocks
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return KVTierStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # ============================== scheduler side ==============================
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._sched is None:
+            return 0, False
+        try:
+            return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception as exc:  # a lookup fault is a miss
+            log.warning("kvtier: lookup failed: %s", exc)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._sched is not None:
+            self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._sched is None:
+            return KVTierMetadata()
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is None:
+            return False, None
+        return self._sched.request_finished(request), None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,41 @@
+"""What the scheduler side tells the worker side each step (plain data: it is serialized)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ChunkLoad:
+    """Fill ``block_ids`` from a stored chunk, skipping its first ``skip_blocks`` blocks."""
+
+    keys: tuple[bytes, ...]  # the chunk's key for each tensor-parallel rank
+    token_start: int
+    num_tokens: int
+    skip_blocks: int
+    block_ids: list[int]
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    chunks: list[ChunkLoad]
+
+
+@dataclass
+class SaveSpec:
+    """Save tokens ``[token_start, token_start + num_tokens)`` held in ``block_ids``."""
+
+    req_id: str
+    keys: tuple[bytes, ...]  # per tensor-parallel rank
+    token_start: int
+    num_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,191 @@
+"""Scheduler side: prefix lookups, load plans and save plans. Never touches KV bytes.
+
+Keys come from kvtier's own chained hash over the prompt's token ids (never vLLM's
+``block_hashes``, whose values depend on vLLM settings). A request's keys are computed once
+and kept until it finishes. A hit requires every tensor-parallel rank's chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.keys import (
+    ChunkRef,
+    Namespace,
+    RequestExtras,
+    as_token_array,
+    chain_seed,
+    chunk_keys,
+    partial_candidates,
+)
+from kvtier.store import ChunkStore
+from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm.namespace import request_extras
+
+log = logging.getLogger("kvtier")
+
+
+@dataclass
+class _Chunk:
+    start: int
+    end: int
+    keys: tuple[bytes, ...]  # per rank
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray
+    extras: RequestExtras
+    seeds: tuple[bytes, ...]
+    full: list[_Chunk]
+    to_save: list[_Chunk]
+    next_save: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    saving: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, store: ChunkStore, namespaces: list[Namespace], block_size: int,
+                 *, can_load: bool, can_save: bool, save_partial: bool) -> None:
+        self.store = store
+        self.namespaces = namespaces  # one per tensor-parallel rank
+        self.block_size = block_size
+        self.chunk_tokens = namespaces[0].chunk_tokens
+        self.can_load = can_load
+        self.can_save = can_save
+        self.save_partial = save_partial
+        self._reqs: dict[str, _Request] = {}
+        # req -> (local hit in tokens, [(chunk, tokens of it to load)])
+        self._plans: dict[str, tuple[int, list[tuple[_Chunk, int]]]] = {}
+        self._loads: list[LoadSpec] = []
+        self.lookups = 0
+        self.hit_tokens = 0
+
+    # -- per-request keys ------------------------------------------------------------
+    def _state(self, request: Any) -> _Request | None:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        extras = request_extras(request)
+        if extras is None or request.prompt_token_ids is None:
+            return None  # inputs kvtier cannot key: never cached
+        tokens = as_token_array(request.prompt_token_ids)
+        seeds = tuple(chain_seed(ns, extras) for ns in self.namespaces)
+        per_rank = [chunk_keys(tokens, s, self.chunk_tokens,
+                               self.block_size if self.save_partial else None) for s in seeds]
+        chunks = [_Chunk(refs[0].start, refs[0].end, tuple(r.key for r in refs))
+                  for refs in zip(*per_rank, strict=True)]
+        n_full = len(tokens) // self.chunk_tokens
+        st = _Request(tokens, extras, seeds, chunks[:n_full], chunks)
+        self._reqs[request.request_id] = st
+        return st
+
+    def _present(self, chunks: list[_Chunk]) -> int:
+        n = len(chunks)
+        for rank in range(len(self.namespaces)):
+            if n == 0:
+                break
+            n = self.store.count_present_prefix([c.keys[rank] for c in chunks[:n]])
+        return n
+
+    def _match(self, st: _Request) -> list[_Chunk]:
+        n = self._present(st.full)
+        hits = st.full[:n]
+        if self.save_partial:
+            start = hits[-1].end if hits else 0
+            parents = hits[-1].keys if hits else st.seeds
+            per_rank: list[list[ChunkRef]] = [
+                partial_candidates(st.tokens, parents[r], start, self.chunk_tokens, self.block_size)
+                for r in range(len(self.namespaces))]
+            for cands in zip(*per_rank, strict=True):
+                cand = _Chunk(cands[0].start, cands[0].end, tuple(c.key for c in cands))
+                if self._present([cand]):
+                    hits.append(cand)
+                    break
+        return hits
+
+    # -- vLLM calls --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        if st is None or not self.can_load:
+            return 0, False
+        self.lookups += 1
+        hits = self._match(st)
+        # Chunks already stored need no save.
+        stored = sum(1 for h in hits if h.end - h.start == self.chunk_tokens)
+        if hits and st.to_save and hits[-1].keys == st.to_save[-1].keys:
+            stored = len(st.to_save)
+        st.next_save = max(st.next_save, stored)
+        # Leave at least one prompt token to compute; stay block aligned.
+        limit = (len(st.tokens) - 1) // self.block_size * self.block_size
+        end = min(hits[-1].end if hits else 0, limit)
+        if end <= num_computed_tokens:
+            return 0, False
+        plan = [(c, min(c.end, end) - c.start) for c in hits if c.end > num_computed_tokens and c.start < end]
+        self._plans[request.request_id] = (num_computed_tokens, plan)
+        self.hit_tokens += end - num_computed_tokens
+        return end - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        planned = self._plans.pop(request.request_id, None)
+        if num_external_tokens <= 0 or planned is None:
+            return
+        load_start, plan = planned
+        block_ids = list(blocks.get_block_ids()[0])
+        bs = self.block_size
+        chunks = []
+        for c, n_tokens in plan:
+            begin = max(c.start, load_start)
+            end = c.start + n_tokens
+            if end <= begin:
+                continue
+            chunks.append(ChunkLoad(c.keys, c.start, c.end - c.start, (begin - c.start) // bs,
+                                    block_ids[begin // bs : end // bs]))
+        self._loads.append(LoadSpec(request.request_id, chunks))
+
+    def build_connector_meta(self, so: Any) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._loads)
+        self._loads = []
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan_saves(new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+            self._plan_saves(req_id, st, done, meta)
+        return meta
+
+    def _plan_saves(self, req_id: str, st: _Request, computed: int, meta: KVTierMetadata) -> None:
+        if not self.can_save:
+            return
+        computed = min(computed, len(st.tokens))
+        bs = self.block_size
+        while st.next_save < len(st.to_save) and st.to_save[st.next_save].end <= computed:
+            c = st.to_save[st.next_save]
+            st.next_save += 1
+            if c.end // bs > len(st.block_ids):
+                continue  # blocks not known (should not happen): skip rather than save garbage
+            meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
+                                       st.block_ids[c.start // bs : c.end // bs]))
+            st.saving = True
+
+    def request_finished(self, request: Any) -> bool:
+        """True if the worker may still be copying this request's blocks (hold them)."""
+        self._plans.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        return bool(st and st.saving)

@@ -1,0 +1,48 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every :class:`kvtier.CacheConfig` setting is accepted, plus the connector-only ones below.
+Unknown keys and bad values raise :class:`kvtier.ConfigError` naming the setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
+
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class ConnectorSettings:
+    cache: CacheConfig
+    # What vLLM does when a promised chunk fails to load: recompute it (default) or fail
+    # the request. Overrides vLLM's own kv_load_failure_policy default of "fail".
+    load_failure_policy: str = "recompute"
+    # Set when the weights are not in a local directory kvtier can hash (e.g. a remote
+    # loader); must change whenever the weights change.
+    weights_fingerprint: str | None = None
+    # Save the prompt's trailing partial chunk (rounded down to the block size) so that an
+    # exactly repeated prompt hits in full.
+    save_partial_chunks: bool = True
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        own = {f.name for f in fields(cls)} - {"cache"}
+        mine = {k: extra.pop(k) for k in list(extra) if k in own}
+        cache = CacheConfig.from_dict(extra, where="kv_connector_extra_config")
+        policy = mine.get("load_failure_policy", "recompute")
+        if policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError(
+                f"load_failure_policy: must be 'recompute' or 'fail', got {policy!r}")
+        fp = mine.get("weights_fingerprint")
+        if fp is not None and (not isinstance(fp, str) or not fp.strip()):
+            raise ConfigError("weights_fingerprint: must be a non-empty string")
+        partial = mine.get("save_partial_chunks", True)
+        if not isinstance(partial, bool):
+            raise ConfigError(f"save_partial_chunks: must be true or false, got {partial!r}")
+        return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
+                   save_partial_chunks=partial)

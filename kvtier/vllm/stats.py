@@ -1,0 +1,72 @@
+"""Connector statistics for vLLM's periodic log line and its Prometheus endpoint.
+
+The payload is a flat ``{name: number}`` dict (it crosses process boundaries); counters are
+summed across workers and steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# Prometheus counters exported, with their help text.
+PROM_COUNTERS = {
+    "load_tokens": "Tokens whose KV kvtier loaded instead of recomputing",
+    "load_requests": "Requests whose KV load finished",
+    "load_failed_blocks": "KV blocks whose load failed (missing or corrupt); vLLM recomputed them",
+    "load_seconds": "Seconds spent loading KV (sum)",
+    "save_chunks": "Chunks handed to the write-behind store",
+    "save_tokens": "Tokens whose KV was handed to the write-behind store",
+    "save_dropped_chunks": "Chunks not saved because the write queue was full",
+    "store_hits_host": "Chunk loads served from host memory",
+    "store_hits_disk": "Chunk loads served from the persistent tier",
+    "store_misses": "Chunk loads that found nothing usable",
+    "store_bytes_saved": "Bytes committed to the persistent tier",
+    "store_dropped_saves": "Saves dropped (queue full, disk full, I/O error)",
+    "store_corrupt_records": "Records that failed verification (served as misses)",
+    "store_evicted_disk": "Records evicted from the persistent tier",
+    "store_io_errors": "Storage I/O errors",
+}
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        if self.data.get("load_seconds"):
+            out["load_tokens_per_s"] = round(self.data.get("load_tokens", 0) / self.data["load_seconds"])
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=f"vllm:kvtier_{name}_total", documentation=doc,
+                                    labelnames=self._labelnames)
+            for name, doc in PROM_COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get(name)
+            if counter is not None and value > 0:
+                counter.labels(*labels).inc(value)

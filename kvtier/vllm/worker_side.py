@@ -1,0 +1,202 @@
+"""Worker side: copies KV between vLLM's paged blocks and kvtier chunks.
+
+Saves: ``save_kv_layer`` gathers this layer's blocks of each chunk being saved into a host
+staging tensor (canonical layout); ``wait_for_save`` hands whole chunks to the write-behind
+store, so the step never waits for storage. Loads: ``start_load_kv`` starts one background
+job per request that reads and verifies chunks and scatters them into the request's blocks;
+``get_finished`` reports finished jobs, and blocks whose chunk was missing or corrupt are
+reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.host_tier import host_empty
+from kvtier.keys import Namespace
+from kvtier.store import ChunkStore
+from kvtier.vllm.device import CopyStream
+from kvtier.vllm.layout import blocks_view, gather_blocks, scatter_blocks
+from kvtier.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger("kvtier")
+LOG_INTERVAL_S = 60.0
+
+
+@dataclass
+class _Staged:
+    spec: SaveSpec
+    buf: torch.Tensor | None  # None: already stored, nothing to copy
+
+
+@dataclass
+class _LoadResult:
+    failed_blocks: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class WorkerSide:
+    def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
+                 kv_caches: dict[str, torch.Tensor], content: str, block_size: int) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.rank = namespace.tp_rank
+        self.block_size = block_size
+        layers, _, self.heads, self.head_dim = namespace.kv_shape
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.views = [blocks_view(kv_caches[n], content, self.head_dim) for n in layer_names]
+        self.dtype = kv_caches[layer_names[0]].dtype
+        self.copies = CopyStream(kv_caches[layer_names[0]].device)
+        self._staged: dict[str, list[_Staged]] = {}
+        self._saving_reqs: set[str] = set()
+        self._finished_pending: set[str] = set()
+        self._loads: dict[str, Future[_LoadResult]] = {}
+        self._load_errors: set[int] = set()
+        self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
+        self._lock = threading.Lock()
+        self.stats: dict[str, float] = {}
+        self._last_log = time.monotonic()
+        self._last_counters = store.counters.snapshot()
+
+    def _bump(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self.stats[k] = self.stats.get(k, 0) + v
+
+    # -- saves ---------------------------------------------------------------------
+    def save_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
+        li = self.layer_index.get(layer_name)
+        if li is None or not meta.saves:
+            return
+        if "step" not in self._staged:
+            self._prepare_saves(meta)
+        with self.copies.after_compute():
+            for staged in self._staged.get("step", []):
+                if staged.buf is not None:
+                    gather_blocks(self.views[li], staged.spec.block_ids, staged.buf[li],
+                                  non_blocking=self.copies.non_blocking)
+
+    def _prepare_saves(self, meta: KVTierMetadata) -> None:
+        staged = []
+        for spec in meta.saves:
+            key = spec.keys[self.rank]
+            if self.store.count_present_prefix([key]):
+                staged.append(_Staged(spec, None))
+                continue
+            shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
+            staged.append(_Staged(spec, host_empty(shape, self.dtype)))
+        self._staged["step"] = staged
+
+    def finish_saves(self) -> None:
+        staged = self._staged.pop("step", [])
+        if not staged:
+            return
+        self.copies.synchronize()
+        for s in staged:
+            self._saving_reqs.add(s.spec.req_id)
+            if s.buf is None:
+                self._bump(save_skipped_chunks=1)
+                continue
+            ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self.namespace.id,
+                                token_start=s.spec.token_start, num_tokens=s.spec.num_tokens)
+            self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
+                       save_dropped_chunks=0 if ok else 1)
+
+    # -- loads ---------------------------------------------------------------------
+    def start_loads(self, meta: KVTierMetadata) -> None:
+        for spec in meta.loads:
+            if spec.req_id in self._loads:
+                continue
+            self._loads[spec.req_id] = self._pool.submit(self._load, spec)
+
+    def _load(self, spec: LoadSpec) -> _LoadResult:
+        res = _LoadResult()
+        t0 = time.perf_counter()
+        copies = CopyStream(self.copies.device)
+        failed_from = None
+        for i, chunk in enumerate(spec.chunks):
+            try:
+                data = self.store.get(chunk.keys[self.rank])
+                ok = data is not None and tuple(data.shape) == (
+                    len(self.views), 2, chunk.num_tokens, self.heads, self.head_dim) and data.dtype == self.dtype
+                if ok:
+                    skip = chunk.skip_blocks * self.block_size
+                    with copies.after_compute():
+                        for li, view in enumerate(self.views):
+                            scatter_blocks(view, chunk.block_ids, data[li].narrow(1, skip, data.shape[2] - skip),
+                                           non_blocking=copies.non_blocking)
+                    copies.synchronize()
+                    res.tokens += len(chunk.block_ids) * self.block_size
+            except Exception as exc:  # never raise into vLLM: the blocks get recomputed
+                log.warning("kvtier: loading a chunk failed: %s", exc)
+                ok = False
+            if not ok:
+                failed_from = i
+                break
+        if failed_from is not None:
+            for chunk in spec.chunks[failed_from:]:
+                res.failed_blocks.extend(chunk.block_ids)
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    # -- completion ------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done_recv = set()
+        for req_id, fut in list(self._loads.items()):
+            if fut.done():
+                del self._loads[req_id]
+                done_recv.add(req_id)
+                try:
+                    res = fut.result()
+                except Exception as exc:  # defensive: _load catches everything
+                    log.warning("kvtier: load job failed: %s", exc)
+                    res = _LoadResult()
+                self._load_errors.update(res.failed_blocks)
+                self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
+                           load_failed_blocks=len(res.failed_blocks), load_requests=1)
+        # Copies into host memory finish within the step (finish_saves synchronizes), so a
+        # finished request's blocks can be released as soon as vLLM reports it finished.
+        self._finished_pending |= finished_req_ids & self._saving_reqs
+        done_send = set(self._finished_pending)
+        self._saving_reqs -= done_send
+        self._finished_pending.clear()
+        self._maybe_log()
+        return (done_send or None), (done_recv or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the last call: the connector's own plus the store's deltas."""
+        now = self.store.counters.snapshot()
+        with self._lock:
+            out, self.stats = self.stats, {}
+        for k, v in now.items():
+            d = v - self._last_counters.get(k, 0)
+            if d:
+                out["store_" + k] = d
+        self._last_counters = now
+        return {k: v for k, v in out.items() if v}
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        c = self.store.counters.snapshot()
+        log.info("kvtier: hits host=%d disk=%d misses=%d saved=%d dropped=%d corrupt=%d evicted=%d",
+                 c["hits_host"], c["hits_disk"], c["misses"], c["saves_committed"],
+                 c["dropped_saves"], c["corrupt_records"], c["evicted_disk"])
+
+    def close(self) -> None:
+        for fut in self._loads.values():
+            fut.cancel()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,71 @@
+"""A real vLLM engine reuses KV across a restart, with output identical to no cache at all."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from conftest import tokens
+
+from kvtier.testing.engine import Engine, kv_transfer_config
+
+SYSTEM = tokens(512, seed=1)
+PROMPTS = [SYSTEM + tokens(120, seed=2), tokens(700, seed=3)]
+
+
+def test_restart_hits_and_identical_tokens_and_logprobs(tiny_model: Path, store_dir: Path) -> None:
+    with Engine(tiny_model) as e:
+        base = e.generate(PROMPTS, max_tokens=12, logprobs=True)
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:  # engine A, fresh store
+        first = e.generate(PROMPTS, max_tokens=12, logprobs=True)
+        e.worker_connector._store.flush()
+    assert [r.num_cached_tokens for r in first] == [0, 0]
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:  # engine B, "after a restart"
+        second = e.generate(PROMPTS, max_tokens=12, logprobs=True)
+        stats = e.worker_connector._store.counters.snapshot()
+    # Everything block-aligned short of the last prompt token comes from the store.
+    assert [r.num_cached_tokens for r in second] == [(len(p) - 1) // 32 * 32 for p in PROMPTS]
+    assert stats["hits_disk"] >= 4 and stats["corrupt_records"] == 0
+    for b, f, s in zip(base, first, second, strict=True):
+        assert b.tokens == f.tokens == s.tokens
+        assert b.logprobs == f.logprobs == s.logprobs
+
+
+def test_shared_system_prompt_hits_exactly_the_shared_part(tiny_model: Path, store_dir: Path) -> None:
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        e.generate([SYSTEM + tokens(100, seed=10)], max_tokens=2)
+        e.worker_connector._store.flush()
+    with Engine(tiny_model) as e:
+        base = e.generate([SYSTEM + tokens(100, seed=11), SYSTEM[:300] + tokens(90, seed=12)], max_tokens=6)
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        got = e.generate([SYSTEM + tokens(100, seed=11), SYSTEM[:300] + tokens(90, seed=12)], max_tokens=6)
+    # The shared 512-token system prompt is two 256-token chunks; the suffix differs.
+    assert got[0].num_cached_tokens == 512
+    # Only the first chunk (256 tokens) is shared when the prompts diverge at 300.
+    assert got[1].num_cached_tokens == 256
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+
+
+def test_registered_by_name_through_the_plugin(tiny_model: Path, store_dir: Path) -> None:
+    """``{"kv_connector": "KVTierConnector"}`` works with no module path (entry point)."""
+    p = tokens(400, seed=20)
+    for expect in (0, 384):
+        with Engine(tiny_model, kv_transfer_config(store_dir, by_name=True)) as e:
+            r = e.generate([p], max_tokens=2)[0]
+            e.worker_connector._store.flush()
+        assert r.num_cached_tokens == expect
+
+
+def test_files_backend_restart(tiny_model: Path, store_dir: Path) -> None:
+    p = tokens(600, seed=30)
+    with Engine(tiny_model) as e:
+        base = e.generate([p], max_tokens=8)[0]
+    outs = []
+    for _ in range(2):
+        with Engine(tiny_model, kv_transfer_config(store_dir, backend="files")) as e:
+            outs.append(e.generate([p], max_tokens=8)[0])
+            e.worker_connector._store.flush()
+    assert [o.num_cached_tokens for o in outs] == [0, 576]
+    assert outs[0].tokens == outs[1].tokens == base.tokens
+    assert any(store_dir.joinpath("files").rglob("*.kvt"))
+    shutil.rmtree(store_dir)
