@@ -30,6 +30,7 @@ MAGIC = b"KVTIER\x00\x01"
 _FIXED = struct.Struct("<8sHHBBBBIQQQQ32s16s16s")
 _U64 = struct.Struct("<Q")
 MAX_NDIM = 8
+MAX_HEADER_BYTES = _FIXED.size + 8 * MAX_NDIM + 8
 
 CODEC_RAW = 0
 CODEC_ZSTD = 1  # zstandard over byte planes (shuffled) for multi-byte dtypes
@@ -157,6 +158,8 @@ def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30) -
     itemsize = torch.empty((), dtype=dtype).element_size()
     n_items = 1
     for d in shape:
+        if d > max_record_bytes:  # also with a zero dimension beside it (no tensor has it)
+            raise RecordError(f"shape {shape} has a dimension beyond max_record_bytes ({max_record_bytes})")
         n_items *= d
         if n_items * itemsize > max_record_bytes:
             raise RecordError(f"shape {shape} exceeds max_record_bytes ({max_record_bytes})")

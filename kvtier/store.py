@@ -11,8 +11,10 @@ an exception. Nothing here raises into a serving loop for a storage fault.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier import codec
-from kvtier.backends import Backend, PutItem, StoreLock, open_backend
+from kvtier.backends import MARKER, Backend, PutItem, StoreLock, open_backend
 from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError
 from kvtier.host_tier import HostTier
@@ -43,6 +45,17 @@ class _Pending:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+_LIVE_STORES: weakref.WeakSet[ChunkStore] = weakref.WeakSet()
+
+
+def _stores_after_fork_in_child() -> None:
+    for store in list(_LIVE_STORES):
+        store._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_stores_after_fork_in_child)
 
 
 class _RateLimitedLog:
@@ -72,10 +85,21 @@ class ChunkStore:
         self.readonly = readonly
         self.counters = Counters()
         self._warn = _RateLimitedLog()
-        self._lock = StoreLock(config.path, exclusive=False) if config.path.exists() else None
-        self.backend: Backend = open_backend(config, readonly=readonly)
+        # Lock before opening an existing store, but never write a lock file into a
+        # directory that is not a store; and hold nothing if opening fails.
+        self._lock = StoreLock(config.path, exclusive=False) if (config.path / MARKER).exists() else None
+        try:
+            self.backend: Backend = open_backend(config, readonly=readonly)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
         if self._lock is None:
-            self._lock = StoreLock(config.path, exclusive=False)
+            try:
+                self._lock = StoreLock(config.path, exclusive=False)
+            except BaseException:
+                self.backend.close()
+                raise
         self.host = HostTier(config.host_bytes)
         self._pending: dict[bytes, _Pending] = {}
         self._queue: list[_Pending] = []
@@ -87,6 +111,23 @@ class ChunkStore:
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         if not readonly:
+            self._writer.start()
+        _LIVE_STORES.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """Threads do not survive ``fork()``: a child gets its own locks, an empty write queue
+        (the parent commits what it had queued) and its own writer and load threads, so a
+        store opened before forking keeps working in the child instead of hanging."""
+        if self._closed:
+            return
+        self._cv = threading.Condition()
+        self._pending, self._queue, self._touched = {}, [], {}
+        self._queued_bytes = self._inflight = 0
+        self.counters._lock = threading.Lock()
+        self.host._lock = threading.Lock()
+        self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
+        if not self.readonly:
             self._writer.start()
 
     # -- saves ---------------------------------------------------------------------
@@ -142,9 +183,9 @@ class ChunkStore:
                 self._inflight = len(batch)
                 touched, self._touched = self._touched, {}
             try:
+                if touched:  # first: the commit's eviction must see these recent uses
+                    self._apply_touches(touched)
                 self._commit(batch)
-                if touched:
-                    self.backend.touch(touched.keys(), max(touched.values()))
             except Exception as exc:  # never let the writer die: count and carry on
                 self.counters.add(io_errors=1)
                 self._warn.warning("writer", "kvtier: writer error: %s", exc)
@@ -155,6 +196,13 @@ class ChunkStore:
                         self._queued_bytes -= item.nbytes
                     self._inflight = 0
                     self._cv.notify_all()
+
+    def _apply_touches(self, touched: dict[bytes, int]) -> None:
+        try:
+            self.backend.touch(touched.keys(), max(touched.values()))
+        except Exception as exc:  # LRU order is best effort; never lose the batch over it
+            self.counters.add(io_errors=1)
+            self._warn.warning("touch", "kvtier: recording uses failed: %s", exc)
 
     def _commit(self, batch: list[_Pending]) -> None:
         if not batch:

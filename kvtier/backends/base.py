@@ -13,6 +13,7 @@ import abc
 import json
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,10 @@ class Backend(abc.ABC):
         self.root = root
         self.config = config
         self.readonly = readonly
+        _LIVE_BACKENDS.add(self)
+
+    def after_fork_in_child(self) -> None:  # noqa: B027 - optional hook
+        """Runs in a forked child: replace locks, threads and handles the parent owns."""
 
     @abc.abstractmethod
     def put_many(self, items: list[PutItem]) -> None:
@@ -119,6 +124,17 @@ class Backend(abc.ABC):
             total -= info.size
         freed = self.delete(victims)
         return len(victims), freed
+
+
+_LIVE_BACKENDS: weakref.WeakSet[Backend] = weakref.WeakSet()
+
+
+def _backends_after_fork_in_child() -> None:
+    for backend in list(_LIVE_BACKENDS):
+        backend.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_backends_after_fork_in_child)
 
 
 class ThreadBuffer(threading.local):

@@ -26,12 +26,16 @@ from typing import TypeVar
 import aiofiles
 
 from kvtier.backends.base import Backend, EntryInfo, PutItem, ThreadBuffer, write_json_atomic
-from kvtier.codec import MAGIC
+from kvtier.codec import MAGIC, MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
+from kvtier.errors import RecordError
 
 T = TypeVar("T")
 SUFFIX = ".kvt"
 _NS_OFFSET = 8 + 2 + 2 + 4 + 4 + 8 + 8 + 8 + 8 + 32  # namespace id position in the header
+
+
+_FORK_ORPHANS: list[object] = []
 
 
 def _owner_only(path: str, flags: int) -> int:
@@ -60,6 +64,20 @@ class FilesBackend(Backend):
         self._scanned = threading.Event()
         self._scanner = threading.Thread(target=self._scan, name="kvtier-files-scan", daemon=True)
         self._scanner.start()
+
+    def after_fork_in_child(self) -> None:
+        # The parent's locks may be held by threads that do not exist here, and its event
+        # loop and I/O threads are not ours: start afresh (the parent's objects are kept
+        # referenced, never closed here, so nothing of the parent's is torn down).
+        _FORK_ORPHANS.append((self._loop, self._pool))
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._loop = None
+        self._pool = None
+        if not self._scanned.is_set():  # the scan thread did not survive the fork
+            self._scanned = threading.Event()
+            self._scanner = threading.Thread(target=self._scan, name="kvtier-files-scan", daemon=True)
+            self._scanner.start()
 
     # -- paths and index ---------------------------------------------------------
     def _path(self, key: bytes) -> Path:
@@ -128,19 +146,23 @@ class FilesBackend(Backend):
                 self._loop.set_default_executor(self._pool)
             temps = self._loop.run_until_complete(self._write_temps(items))
             try:
-                if self.config.durability == "power":
-                    self._fsync_dirs({self._path(it.key).parent for it in items} | {self._tmp})
+                changed: set[Path] = set()  # directories that gained an entry
+                now = time.time_ns()
                 for it, tmp in zip(items, temps, strict=True):
                     final = self._path(it.key)
-                    final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    changed |= self._make_dirs(final.parent)
+                    # last use = now, on the clock touch() uses: the kernel stamps writes with
+                    # a coarse clock (a tick behind), which could rank a new record older
+                    # than one touched just before it was written
+                    os.utime(tmp, ns=(now, now))
                     os.replace(tmp, final)
-                if self.config.durability == "power":
-                    self._fsync_dirs({self._path(it.key).parent for it in items})
+                    changed.add(final.parent)
+                if self.config.durability == "power":  # file data was fsynced before the rename
+                    self._fsync_dirs(changed)
             except OSError:
                 for tmp in temps:
                     _unlink_quiet(tmp)
                 raise
-        now = time.time_ns()
         with self._lock:
             for it in items:
                 old = self._index.get(it.key)
@@ -170,6 +192,21 @@ class FilesBackend(Backend):
             _unlink_quiet(tmp)
             raise
         return tmp
+
+    def _make_dirs(self, shard: Path) -> set[Path]:
+        """Create a shard directory and its parent level, owner-only (``mkdir(parents=True)``
+        would create the parent with default permissions); return the directories that
+        gained an entry."""
+        if shard.is_dir():
+            return set()
+        changed: set[Path] = set()
+        for d in (shard.parent, shard):
+            try:
+                d.mkdir(mode=0o700)
+                changed.add(d.parent)
+            except FileExistsError:
+                continue
+        return changed
 
     def _fsync_dirs(self, dirs: set[Path]) -> None:
         for d in dirs:
@@ -210,6 +247,9 @@ class FilesBackend(Backend):
         try:
             with open(self._path(key), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
+                if size > self.config.max_record_bytes + MAX_HEADER_BYTES:
+                    # never size a buffer by a length nothing has checked
+                    raise RecordError(f"record file is {size} bytes, over max_record_bytes")
                 view = self._buf.get(size)
                 got = f.readinto(view)
         except FileNotFoundError:

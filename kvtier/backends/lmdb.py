@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,6 +33,70 @@ _TOTALS = struct.Struct("<QQ")  # records, bytes
 # One environment per (process, path): LMDB forbids opening the same env twice per process.
 _ENVS: dict[tuple[int, str], tuple[lmdb.Environment, int]] = {}
 _ENVS_LOCK = threading.Lock()
+# In a forked child: the parent's environments, to be closed (never used) before reopening.
+_INHERITED: dict[str, lmdb.Environment] = {}
+
+
+class _ForkGate:
+    """Holds ``fork()`` off while an LMDB transaction is in flight in this process.
+
+    A child must close the environment it inherited before it can open its own (py-lmdb
+    refuses a second open of the same files), and closing aborts every transaction object
+    it knows of, which writes to the reader table the parent shares: a transaction that
+    another thread of the parent had open at the fork would lose its reader slot, and the
+    parent's read could see pages a writer reuses. So fork waits for transactions to end.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._forking = False
+        self.clean = True  # (in a child) no transaction was in flight at the fork
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._cv:
+            while self._forking:
+                self._cv.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
+
+    def before_fork(self) -> None:
+        with self._cv:
+            self._forking = True
+            # bounded: a fork from inside a transaction (or an abandoned iterator) must
+            # not hang; such a child then leaves LMDB alone (see _acquire_env)
+            self.clean = self._cv.wait_for(lambda: self._active == 0, timeout=10.0)
+
+    def after_fork_in_parent(self) -> None:
+        with self._cv:
+            self._forking = False
+            self._cv.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._forking = False
+
+
+_GATE = _ForkGate()
+
+
+def _after_fork_in_child() -> None:
+    global _ENVS_LOCK
+    _ENVS_LOCK = threading.Lock()
+    _INHERITED.update({path: env for (_, path), (env, _) in _ENVS.items()})
+    _ENVS.clear()
+    _GATE.after_fork_in_child()
+
+
+os.register_at_fork(before=_GATE.before_fork, after_in_parent=_GATE.after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def _acquire_env(path: Path, readonly: bool, sync: bool, map_size: int) -> lmdb.Environment:
@@ -41,6 +106,13 @@ def _acquire_env(path: Path, readonly: bool, sync: bool, map_size: int) -> lmdb.
             env, refs = _ENVS[key]
             _ENVS[key] = (env, refs + 1)
             return env
+        inherited = _INHERITED.pop(str(path), None)
+        if inherited is not None:
+            if not _GATE.clean:
+                _INHERITED[str(path)] = inherited
+                raise lmdb.Error(f"{path}: forked during an LMDB transaction; the store cannot "
+                                 "be reopened in this process (open it after forking)")
+            inherited.close()  # safe: no transaction of it was in flight at the fork
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = lmdb.open(
             str(path), map_size=map_size, max_dbs=8, subdir=True, readonly=readonly,
@@ -72,37 +144,51 @@ class LmdbBackend(Backend):
         # The map is address space, not disk: start large so growth is rare.
         self._initial_map = max(2 * config.disk_bytes, 1 << 30)
         self._write_lock = threading.Lock()
+        self._reopen_lock = threading.Lock()
         self._open()
 
     # -- environment lifecycle -------------------------------------------------
     def _open(self) -> None:
-        self._pid = os.getpid()
         sync = self.config.durability == "power"
-        self._env = _acquire_env(self._path, self.readonly, sync, self._initial_map)
-        if self.readonly:
-            self._records = self._env.open_db(b"records", create=False)
-            self._meta = self._env.open_db(b"meta", create=False)
-            self._ns = self._env.open_db(b"namespaces", create=False)
-            self._info = self._env.open_db(b"info", create=False)
-        else:
-            with self._env.begin(write=True) as txn:
-                self._records = self._env.open_db(b"records", txn=txn)
-                self._meta = self._env.open_db(b"meta", txn=txn)
-                self._ns = self._env.open_db(b"namespaces", txn=txn)
-                self._info = self._env.open_db(b"info", txn=txn)
+        env = _acquire_env(self._path, self.readonly, sync, self._initial_map)
+        with _GATE.held():
+            if self.readonly:
+                self._records = env.open_db(b"records", create=False)
+                self._meta = env.open_db(b"meta", create=False)
+                self._ns = env.open_db(b"namespaces", create=False)
+                self._info = env.open_db(b"info", create=False)
+            else:
+                with env.begin(write=True) as txn:
+                    self._records = env.open_db(b"records", txn=txn)
+                    self._meta = env.open_db(b"meta", txn=txn)
+                    self._ns = env.open_db(b"namespaces", txn=txn)
+                    self._info = env.open_db(b"info", txn=txn)
+        self._env = env
+        self._pid = os.getpid()  # last: other threads reopen until the new env is in place
+
+    def after_fork_in_child(self) -> None:
+        self._write_lock = threading.Lock()
+        self._reopen_lock = threading.Lock()
 
     def _env_now(self) -> lmdb.Environment:
         if os.getpid() != self._pid:  # forked: the parent's env must not be used here
-            self._open()
+            with self._reopen_lock:
+                if os.getpid() != self._pid:
+                    self._open()
         return self._env
 
-    def _begin(self, write: bool = False) -> lmdb.Transaction:
+    @contextmanager
+    def _txn(self, write: bool = False, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A transaction (committed on success, aborted on error); fork waits for it."""
         env = self._env_now()
-        try:
-            return env.begin(write=write)
-        except lmdb.MapResizedError:  # another process grew the map: adopt its size
-            env.set_mapsize(0)
-            return env.begin(write=write)
+        with _GATE.held():
+            try:
+                txn = env.begin(write=write, buffers=buffers)
+            except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                env.set_mapsize(0)
+                txn = env.begin(write=write, buffers=buffers)
+            with txn:
+                yield txn
 
     def close(self) -> None:
         if os.getpid() == self._pid:
@@ -129,7 +215,7 @@ class LmdbBackend(Backend):
 
     def _put_txn(self, items: list[PutItem]) -> None:
         staging = bytearray(max(it.size for it in items))
-        with self._begin(write=True) as txn:
+        with self._txn(write=True) as txn:
             records, nbytes = _TOTALS.unpack(txn.get(_TOTALS_KEY, db=self._info) or _TOTALS.pack(0, 0))
             now = time.time_ns()
             for it in items:
@@ -150,7 +236,7 @@ class LmdbBackend(Backend):
         keys = list(keys)
         if not keys or self.readonly:
             return
-        with self._write_lock, self._begin(write=True) as txn:
+        with self._write_lock, self._txn(write=True) as txn:
             for k in keys:
                 old = txn.get(k, db=self._meta)
                 if old is not None:
@@ -159,7 +245,7 @@ class LmdbBackend(Backend):
 
     def delete(self, keys: Iterable[bytes]) -> int:
         freed = 0
-        with self._write_lock, self._begin(write=True) as txn:
+        with self._write_lock, self._txn(write=True) as txn:
             records, nbytes = _TOTALS.unpack(txn.get(_TOTALS_KEY, db=self._info) or _TOTALS.pack(0, 0))
             for k in keys:
                 old = txn.get(k, db=self._meta)
@@ -177,15 +263,17 @@ class LmdbBackend(Backend):
 
     # -- reads -----------------------------------------------------------------
     def read(self, key: bytes, fn: Callable[[memoryview], T]) -> T | None:
-        with self._begin() as txn:
-            view = txn.get(key, db=self._records)  # zero-copy view into the map (buffers)
+        # buffers=True: a zero-copy view into the map, valid until the transaction ends (a
+        # plain get would copy the whole value, however large, before anything checks it)
+        with self._txn(buffers=True) as txn:
+            view = txn.get(key, db=self._records)
             if view is None:
                 return None
             return fn(memoryview(view))
 
     def count_present_prefix(self, keys: Iterable[bytes]) -> int:
         n = 0
-        with self._begin() as txn:
+        with self._txn() as txn:
             cur = txn.cursor(db=self._meta)
             for k in keys:
                 if not cur.set_key(k):
@@ -194,23 +282,23 @@ class LmdbBackend(Backend):
         return n
 
     def entries(self) -> Iterator[EntryInfo]:
-        with self._begin() as txn:
+        with self._txn() as txn:
             for k, v in txn.cursor(db=self._meta):
                 size, atime, ns = _META.unpack(v)
                 yield EntryInfo(bytes(k), size, atime, ns)
 
     def usage(self) -> tuple[int, int]:
-        with self._begin() as txn:
+        with self._txn() as txn:
             raw = txn.get(_TOTALS_KEY, db=self._info)
         return _TOTALS.unpack(raw) if raw else (0, 0)
 
     def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
         blob = json.dumps(description, sort_keys=True).encode()
-        with self._write_lock, self._begin(write=True) as txn:
+        with self._write_lock, self._txn(write=True) as txn:
             txn.put(namespace_id, blob, db=self._ns, overwrite=True)
 
     def namespaces(self) -> dict[bytes, dict[str, object]]:
-        with self._begin() as txn:
+        with self._txn() as txn:
             return {bytes(k): json.loads(bytes(v)) for k, v in txn.cursor(db=self._ns)}
 
     def compact(self) -> int:
@@ -223,7 +311,9 @@ class LmdbBackend(Backend):
         tmp = self._path / "compact.tmp"
         tmp.mkdir(mode=0o700, exist_ok=True)
         with self._write_lock:
-            self._env_now().copy(str(tmp), compact=True)
+            env = self._env_now()
+            with _GATE.held():
+                env.copy(str(tmp), compact=True)
             with _ENVS_LOCK:
                 _ENVS.pop((os.getpid(), str(self._path)), None)
                 self._env.close()

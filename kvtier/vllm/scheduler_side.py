@@ -46,6 +46,7 @@ class _Request:
     next_save: int = 0
     block_ids: list[int] = field(default_factory=list)
     saving: bool = False
+    loads_started: int = 0
 
 
 class SchedulerSide:
@@ -113,13 +114,12 @@ class SchedulerSide:
         st = self._state(request)
         if st is None or not self.can_load:
             return 0, False
+        if st.loads_started:
+            # One external load per request: if it failed (a chunk vanished or was corrupt),
+            # asking again could promise the same bad chunk forever; recompute instead.
+            return 0, False
         self.lookups += 1
         hits = self._match(st)
-        # Chunks already stored need no save.
-        stored = sum(1 for h in hits if h.end - h.start == self.chunk_tokens)
-        if hits and st.to_save and hits[-1].keys == st.to_save[-1].keys:
-            stored = len(st.to_save)
-        st.next_save = max(st.next_save, stored)
         # Leave at least one prompt token to compute; stay block aligned.
         limit = (len(st.tokens) - 1) // self.block_size * self.block_size
         end = min(hits[-1].end if hits else 0, limit)
@@ -135,6 +135,9 @@ class SchedulerSide:
         if num_external_tokens <= 0 or planned is None:
             return
         load_start, plan = planned
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            st.loads_started += 1
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.block_size
         chunks = []

@@ -143,6 +143,10 @@ class WorkerSide:
         if failed_from is not None:
             for chunk in spec.chunks[failed_from:]:
                 res.failed_blocks.extend(chunk.block_ids)
+            # Verify the rest too (not used: the prefix is broken) so corrupt records are
+            # found and removed now, and the recomputed KV replaces them.
+            for chunk in spec.chunks[failed_from + 1 :]:
+                self.store.get(chunk.keys[self.rank])
         res.seconds = time.perf_counter() - t0
         return res
 

@@ -1,0 +1,125 @@
+"""Shared pieces of the CLI: its errors, consoles, JSON output and human formatting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from kvtier.errors import KVTierError
+from kvtier.units import format_age, format_size
+
+
+class UsageError(KVTierError):
+    """The command line asks for something that cannot be (exit status 2)."""
+
+
+class NotFoundError(KVTierError):
+    """What the command line names is not in the store (exit status 1)."""
+
+
+def stdout_console() -> Console:
+    # highlight=False: rich would otherwise colour numbers in our tables at random.
+    return Console(highlight=False, soft_wrap=False)
+
+
+def show(con: Console, table: Table, drop: Sequence[str] = ()) -> None:
+    """Print ``table`` whole: wider than the console, it is printed at its natural width
+    when output is not a terminal (a pipe or file: no wrapped cells), and on a terminal the
+    ``drop`` columns (least useful first) are left out until it fits."""
+    need = Measurement.get(con, con.options.update(max_width=100_000), table).maximum
+    if need > con.width:
+        if not con.is_terminal:
+            con.width = need
+        else:
+            for name in drop:
+                table.columns = [c for c in table.columns if c.header != name]
+                if Measurement.get(con, con.options.update(max_width=100_000), table).maximum <= con.width:
+                    break
+    if table.title:  # printed apart: rich pads a table title with spaces to the table's width
+        con.print(table.title, soft_wrap=True, style="italic")
+        table.title = None
+    con.print(table)
+
+
+def line(con: Console, text: str) -> None:
+    """Print a message line; long lines are not broken (terminals wrap them themselves)."""
+    con.print(text, soft_wrap=True)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def progress(label: str, *, enabled: bool = True) -> Progress:
+    """A progress bar on stderr, shown only on a terminal (never in pipes or with --json)."""
+    console = stderr_console()
+    return Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("records"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not (enabled and console.is_terminal),
+    )
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def size(n: int | float | None) -> str:
+    return "-" if n is None else format_size(n)
+
+
+def ago(ts_ns: int | None, now: float | None = None) -> str:
+    """``1.5h ago`` for a time in nanoseconds since the epoch; ``-`` when unknown."""
+    if ts_ns is None:
+        return "-"
+    now = time.time() if now is None else now
+    delta = now - ts_ns / 1e9
+    if delta < 0:
+        return "just now"
+    return f"{format_age(delta)} ago"
+
+
+def ts_seconds(ts_ns: int | None) -> float | None:
+    return None if ts_ns is None else round(ts_ns / 1e9, 3)
+
+
+def ratio(raw: int, stored: int) -> float | None:
+    return round(raw / stored, 3) if stored else None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line on stderr (and exit status 2)."""
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        sys.stderr.write(f"kvtier: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+def add_store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", metavar="STORE", help="the store directory (the path a kvtier cache was opened on)")
+
+
+def add_json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")

@@ -1,0 +1,292 @@
+"""Store access for the CLI, on top of the public backend interface.
+
+- :func:`open_store` opens an existing store (never creates one) with the backend its
+  marker names, read-only unless asked, under a *shared* :class:`StoreLock` — the same lock
+  a serving process holds — so ``kvtier compact`` cannot swap files underneath it.
+- :func:`read_header` reads and checks one record's header without its payload (for the
+  files backend it reads the first bytes of the file instead of the whole record).
+- :func:`resolve_namespaces` turns ``--namespace HEXPREFIX`` / ``--model NAME`` into ids.
+
+Nothing here holds an LMDB read transaction for long: ``entries()`` is drained into a list
+(one short snapshot), then each record is read in its own short transaction, so a writer
+process is never blocked and the map never pins many old pages.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.backends import Backend, EntryInfo, StoreLock, open_backend, read_marker
+from kvtier.cli._common import NotFoundError, UsageError
+from kvtier.codec import RecordHeader, decode_header, verify_payload
+from kvtier.config import CacheConfig
+from kvtier.errors import IncompatibleRecord, RecordError, StoreError
+from kvtier.keys import KEY_BYTES, Namespace
+from kvtier.units import parse_size
+
+# Enough for any header: fixed part + 8 dims * 8 bytes + header checksum (< 256 bytes).
+_HEADER_READ = 512
+_HEADER_LEN_AT = struct.Struct("<8sHH")  # magic, format_version, header_len
+# The store's default limit (its config is not recorded in the store).
+MAX_RECORD_BYTES = parse_size(CacheConfig.__dataclass_fields__["max_record_bytes"].default)
+
+
+@dataclass
+class OpenStore:
+    root: Path
+    marker: dict[str, object]
+    backend: Backend
+    config: CacheConfig
+
+    @property
+    def backend_name(self) -> str:
+        return str(self.marker["backend"])
+
+
+def store_root(path: str) -> Path:
+    return Path(path).expanduser()
+
+
+def store_config(root: Path) -> tuple[dict[str, object], CacheConfig]:
+    """The store's marker (checked) and a config whose backend is the one it was created with."""
+    marker = read_marker(root)
+    return marker, CacheConfig(path=root, backend=str(marker["backend"]))
+
+
+@contextmanager
+def open_store(path: str, *, write: bool = False) -> Iterator[OpenStore]:
+    """Open an existing store; refuse with advice if it is missing, foreign or too new."""
+    root = store_root(path)
+    marker, config = store_config(root)
+    lock = StoreLock(root, exclusive=False)
+    try:
+        backend = open_backend(config, readonly=not write, create=False)
+        try:
+            yield OpenStore(root, marker, backend, config)
+        finally:
+            backend.close()
+    finally:
+        lock.release()
+
+
+def snapshot(backend: Backend) -> list[EntryInfo]:
+    """Every record's metadata, read in one short pass (one LMDB read transaction)."""
+    return list(backend.entries())
+
+
+# -- headers and checks ---------------------------------------------------------------
+def record_file(backend: Backend, key: bytes) -> Path | None:
+    """Where the files backend keeps ``key`` (None for other backends)."""
+    if backend.name != "files":
+        return None
+    path_of = getattr(backend, "_path", None)
+    if path_of is None:
+        return None
+    p = path_of(key)
+    return p if isinstance(p, Path) else None
+
+
+def _check_identity(header: RecordHeader, key: bytes) -> RecordHeader:
+    if header.key != key:
+        raise RecordError("record is filed under another key than the one in its header")
+    return header
+
+
+def parse_header(head: bytes | memoryview, record_len: int, key: bytes) -> RecordHeader:
+    """Check the header at the start of a record of ``record_len`` bytes."""
+    mv = memoryview(head).cast("B")
+    if len(mv) < _HEADER_LEN_AT.size:
+        raise RecordError(f"record too short for a header ({len(mv)} bytes)")
+    header_len = _HEADER_LEN_AT.unpack_from(mv, 0)[2]
+    header = decode_header(mv[:header_len] if header_len <= len(mv) else mv,
+                           max_record_bytes=MAX_RECORD_BYTES)
+    if header.record_len != record_len:
+        raise RecordError(f"record is {record_len} bytes, header says {header.record_len} (truncated?)")
+    return _check_identity(header, key)
+
+
+def read_header(backend: Backend, key: bytes) -> RecordHeader | None:
+    """The checked header of ``key`` (payload not read); None if the record is gone.
+
+    Raises :class:`RecordError` for a malformed header, ``OSError`` if unreadable.
+    """
+    path = record_file(backend, key)
+    if path is not None:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                head = f.read(_HEADER_READ)
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            return None
+        return parse_header(head, size, key)
+    return backend.read(key, lambda view: _check_identity(
+        decode_header(view, max_record_bytes=MAX_RECORD_BYTES), key))
+
+
+def check_record(backend: Backend, key: bytes) -> RecordHeader | None:
+    """Read the whole record and verify header and payload checksum; None if it is gone.
+
+    Raises :class:`RecordError` (corrupt), :class:`IncompatibleRecord` (other format
+    version, intact) or ``OSError`` (unreadable).
+    """
+    def check(view: memoryview) -> RecordHeader:
+        header = _check_identity(decode_header(view, max_record_bytes=MAX_RECORD_BYTES), key)
+        verify_payload(header, view)
+        return header
+
+    return backend.read(key, check)
+
+
+@dataclass
+class HeaderScan:
+    """Headers of a snapshot of records, with what could not be read."""
+
+    headers: dict[bytes, RecordHeader] = field(default_factory=dict)
+    bad: dict[bytes, str] = field(default_factory=dict)  # key -> why
+    vanished: int = 0
+
+
+def scan_headers(backend: Backend, entries: Iterable[EntryInfo]) -> HeaderScan:
+    out = HeaderScan()
+    for e in entries:
+        try:
+            h = read_header(backend, e.key)
+        except IncompatibleRecord as exc:
+            out.bad[e.key] = f"incompatible: {exc}"
+            continue
+        except RecordError as exc:
+            out.bad[e.key] = f"corrupt: {exc}"
+            continue
+        except OSError as exc:
+            out.bad[e.key] = f"unreadable: {exc.strerror or exc}"
+            continue
+        if h is None:
+            out.vanished += 1
+        else:
+            out.headers[e.key] = h
+    return out
+
+
+# -- namespaces and keys ---------------------------------------------------------------
+def parse_hex(text: str, what: str) -> str:
+    h = text.strip().lower()
+    if h.startswith("0x"):
+        h = h[2:]
+    if not h or any(c not in "0123456789abcdef" for c in h):
+        raise UsageError(f"{what} {text!r} is not hexadecimal; copy it from 'kvtier ls' or 'kvtier inspect'")
+    return h
+
+
+def resolve_namespaces(
+    root: Path,
+    known: Iterable[bytes],
+    descriptions: dict[bytes, dict[str, object]],
+    prefixes: list[str] | None,
+    models: list[str] | None,
+) -> set[bytes]:
+    """Namespace ids named by hex prefixes and model names (each must match something)."""
+    ids = sorted(set(known) | set(descriptions))
+    chosen: set[bytes] = set()
+    for text in prefixes or []:
+        p = parse_hex(text, "namespace")
+        hits = [i for i in ids if i.hex().startswith(p)]
+        if not hits:
+            raise UsageError(f"unknown namespace {text!r} in {root}; 'kvtier ls {root}' lists its namespaces")
+        if len(hits) > 1:
+            raise UsageError(
+                f"namespace prefix {text!r} is ambiguous ({len(hits)} match: "
+                f"{', '.join(h.hex()[:12] for h in hits[:4])}...); give more hex digits")
+        chosen.add(hits[0])
+    for model in models or []:
+        hits = [i for i, d in descriptions.items() if d.get("model") == model]
+        if not hits:
+            names = sorted({str(d.get("model")) for d in descriptions.values()})
+            raise UsageError(
+                f"no namespace of model {model!r} in {root} (models here: {', '.join(names) or 'none'}); "
+                f"'kvtier ls {root}' lists them")
+        chosen.update(hits)
+    return chosen
+
+
+def namespace_from_description(desc: dict[str, object]) -> Namespace:
+    """Rebuild a :class:`Namespace` from what ``register_namespace`` stored."""
+    try:
+        d = dict(desc)
+        shape = d.get("kv_shape")
+        extra = d.get("extra") or {}
+        if not isinstance(shape, list) or not isinstance(extra, dict):
+            raise TypeError("kv_shape or extra has the wrong type")
+        d["kv_shape"] = tuple(int(x) for x in shape)
+        d["extra"] = tuple(sorted((str(k), str(v)) for k, v in extra.items()))
+        return Namespace(**d)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"namespace description cannot be read ({exc}); was it written by another kvtier?") from None
+
+
+def find_key(backend: Backend, entries: list[EntryInfo] | None, text: str) -> bytes:
+    """A full key or a unique hex prefix of one -> the key."""
+    h = parse_hex(text, "key")
+    if len(h) > 2 * KEY_BYTES:
+        raise UsageError(f"key {text!r} is longer than a key ({2 * KEY_BYTES} hex digits)")
+    if len(h) == 2 * KEY_BYTES:
+        return bytes.fromhex(h)
+    hits = [e.key for e in (entries if entries is not None else snapshot(backend)) if e.key.hex().startswith(h)]
+    if not hits:
+        raise NotFoundError(f"no record whose key starts with {h!r}; 'kvtier inspect --help' shows how to find keys")
+    if len(hits) > 1:
+        raise UsageError(
+            f"key prefix {h!r} is ambiguous ({len(hits)} records: "
+            f"{', '.join(k.hex()[:16] for k in hits[:4])}...); give more hex digits")
+    return hits[0]
+
+
+# -- files on disk -----------------------------------------------------------------
+def disk_files(root: Path) -> list[tuple[str, int, int, int]]:
+    """``(part, files, apparent bytes, allocated bytes)`` per top-level part of the store."""
+    parts: dict[str, list[int]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        for name in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:  # removed by a writer or eviction meanwhile
+                continue
+            part = str(rel / name) if rel.parts[:1] in ((), ("lmdb",)) else rel.parts[0] + "/"
+            acc = parts.setdefault(part, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += st.st_size
+            acc[2] += st.st_blocks * 512
+        dirnames.sort()
+    return [(p, v[0], v[1], v[2]) for p, v in sorted(parts.items())]
+
+
+def lmdb_pages(backend: Backend) -> dict[str, int] | None:
+    """Page use of an LMDB store: what ``compact`` could give back (best effort).
+
+    The backend interface has no call for this, so it reads the backend's environment and
+    database handles (private attributes); anything unexpected gives None, not an error.
+    """
+    if backend.name != "lmdb":
+        return None
+    try:
+        env_now = getattr(backend, "_env_now", None)
+        env = env_now() if env_now is not None else backend._env  # type: ignore[attr-defined]
+        info = env.info()
+        psize = env.stat()["psize"]
+        used = 2  # the two meta pages
+        dbs = [getattr(backend, a, None) for a in ("_records", "_meta", "_ns", "_info")]
+        if any(db is None for db in dbs):
+            return None
+        with env.begin() as txn:
+            for s in [txn.stat()] + [txn.stat(db) for db in dbs]:
+                used += s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
+        total = info["last_pgno"] + 1
+        return {"page_size": psize, "pages_in_file": total, "pages_in_use": min(used, total),
+                "reclaimable_bytes": max(total - used, 0) * psize}
+    except Exception:
+        return None

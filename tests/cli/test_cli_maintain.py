@@ -1,0 +1,154 @@
+"""verify (with corruption), evict and compact, through the console script, both backends.
+
+Each console-script start costs ~2 s (importing torch), so follow-up checks whose
+console-script path is already covered run the same ``main()`` in-process."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from clihelpers import (
+    NS_LLAMA,
+    NS_QWEN,
+    Built,
+    cli,
+    corrupt,
+    entries,
+    one_line_error,
+    run_main,
+    run_many,
+    touch,
+)
+
+from kvtier.backends import StoreLock, open_backend
+from kvtier.config import CacheConfig
+
+
+def test_verify_finds_and_removes_corruption(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
+    b = fresh_store
+    llama = NS_LLAMA.id.hex()
+    bad_payload, bad_header = b.keys[llama][1], b.keys[llama][4]
+    corrupt(b.path, b.backend, bad_payload, "payload")
+    corrupt(b.path, b.backend, bad_header, "header")
+
+    ver = cli("verify", b.path)
+    assert ver.returncode == 1, ver.stdout + ver.stderr
+    assert "Traceback" not in ver.stderr
+    assert "2 corrupt" in ver.stdout, ver.stdout
+    assert f"{b.total_chunks - 2} ok" in ver.stdout
+    assert bad_payload.hex()[:16] in ver.stdout and bad_header.hex()[:16] in ver.stdout
+    assert "payload checksum mismatch" in ver.stdout and "header checksum mismatch" in ver.stdout
+    assert "--remove-corrupt" in ver.stdout
+    assert len(entries(b.path, b.backend)) == b.total_chunks  # nothing removed without the flag
+
+    ins = run_main(capsys, "inspect", b.path, bad_payload.hex(), "--json")
+    assert ins.returncode == 1
+    info = json.loads(ins.stdout)
+    assert info["status"] == "corrupt: payload checksum mismatch" and info["header"]["num_tokens"] == 64
+
+    rm = cli("verify", b.path, "--remove-corrupt", "--json")
+    assert rm.returncode == 1, rm.stderr  # corruption was found (and removed)
+    rep = json.loads(rm.stdout)
+    assert {c["key"] for c in rep["corrupt"]} == {bad_payload.hex(), bad_header.hex()}
+    assert rep["removed"] == 2 and rep["removed_bytes"] > 0
+    assert rep["ok"] == b.total_chunks - 2
+    left = entries(b.path, b.backend)
+    assert bad_payload not in left and bad_header not in left
+    assert len(left) == b.total_chunks - 2
+
+    again = run_main(capsys, "verify", b.path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "all records verify" in again.stdout
+    assert f"{b.total_chunks - 2} ok, 0 corrupt" in again.stdout
+
+
+def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
+    b = fresh_store
+    now = time.time_ns()
+    rng = random.Random(3)
+    keys = [k for ks in b.keys.values() for k in ks]
+    rng.shuffle(keys)
+    old = keys[:5]  # last used ten days ago
+    times = {k: now - 10 * 86400 * 10**9 + i for i, k in enumerate(old)}
+    times |= {k: now - 3600 * 10**9 + i * 10**6 for i, k in enumerate(keys[5:])}
+    touch(b.path, b.backend, times)
+    before = entries(b.path, b.backend)
+    assert {k: t for k, (_, t) in before.items()} == times
+    sizes = {k: s for k, (s, _) in before.items()}
+    budget = sum(sizes.values()) // 2
+
+    # --dry-run removes nothing, and says what would go.
+    dry = cli("evict", b.path, "--max-bytes", budget, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would remove" in dry.stdout and "nothing was removed" in dry.stdout
+    dry_all = run_main(capsys, "evict", b.path, "--all", "--dry-run", "--json")
+    d = json.loads(dry_all.stdout)
+    assert d["dry_run"] and d["evict"]["records"] == len(keys) and d["removed"]["records"] == 0
+    assert entries(b.path, b.backend) == before
+
+    # --older-than drops what is unused for that long; --max-bytes then goes LRU first.
+    r = cli("evict", b.path, "--older-than", "7d", "--max-bytes", budget, "--json")
+    assert r.returncode == 0, r.stderr
+    rest = sorted(keys[5:], key=lambda k: times[k])
+    expect_gone = set(old)
+    total = sum(sizes[k] for k in rest)
+    for k in rest:
+        if total <= budget:
+            break
+        expect_gone.add(k)
+        total -= sizes[k]
+    after = entries(b.path, b.backend)
+    assert set(after) == set(keys) - expect_gone
+    assert sum(s for s, _ in after.values()) <= budget
+    out = json.loads(r.stdout)
+    assert out["removed"]["records"] == len(expect_gone)
+    assert out["after"]["bytes"] == sum(s for s, _ in after.values())
+    # what is left is exactly the most recently used
+    assert min(t for _, t in after.values()) > max(times[k] for k in expect_gone)
+
+    # Narrowed to one namespace: by hex prefix (lmdb) or by model name (files).
+    qwen = NS_QWEN.id.hex()
+    narrow = ("--namespace", qwen[:8]) if b.backend == "lmdb" else ("--model", "qwen-mini")
+    r2 = run_main(capsys, "evict", b.path, *narrow, "--all")
+    assert r2.returncode == 0, r2.stderr
+    assert "removed" in r2.stdout and "in 1 namespace(s)" in r2.stdout
+    final = entries(b.path, b.backend)
+    assert not set(final) & set(b.keys[qwen])
+    assert set(final) == set(after) - set(b.keys[qwen])
+
+
+def test_compact(built_stores: dict[str, Built], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lm, busy = tmp_path / "lmdb", tmp_path / "busy"
+    shutil.copytree(built_stores["lmdb"].path, lm)
+    shutil.copytree(built_stores["lmdb"].path, busy)
+    keep = built_stores["lmdb"].keys[NS_QWEN.id.hex()]
+    backend = open_backend(CacheConfig(path=lm, backend="lmdb"), create=False)
+    try:
+        backend.delete([k for k in entries(lm, "lmdb") if k not in keep])
+    finally:
+        backend.close()
+    size_before = (lm / "lmdb" / "data.mdb").stat().st_size
+    busy_before = (busy / "lmdb" / "data.mdb").read_bytes()
+
+    lock = StoreLock(busy)  # what a running server holds
+    try:
+        ok, refused = run_many(("compact", lm, "--json"), ("compact", busy))
+    finally:
+        lock.release()
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout)
+    assert out["reclaimed_bytes"] > 0 and out["before_bytes"] == size_before
+    assert (lm / "lmdb" / "data.mdb").stat().st_size == out["after_bytes"] < size_before
+    assert set(entries(lm, "lmdb")) == set(keep)  # the records survive compaction
+
+    one_line_error(refused, 1, "in use", "stop the server")
+    assert (busy / "lmdb" / "data.mdb").read_bytes() == busy_before
+
+    files = run_main(capsys, "compact", built_stores["files"].path)
+    assert files.returncode == 0, files.stderr
+    assert "nothing to compact" in files.stdout and "0 B reclaimed" in files.stdout

@@ -1,0 +1,173 @@
+"""Configuration errors name the setting; store directories that are not ours, of another
+backend or of another on-disk layout are refused with a clear message and left untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvhelpers import CHUNK, config, make_kv, namespace, open_cache, tokens
+
+from kvtier import CacheConfig, ChunkStore, KVCache
+from kvtier.backends import MARKER, StoreLock
+from kvtier.errors import ConfigError, StoreError, StoreFormatError
+
+BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
+    ({"backend": "rocksdb"}, "backend"),
+    ({"backend": "LMDB"}, "backend"),
+    ({"host_bytes": -1}, "host_bytes"),
+    ({"disk_bytes": "-5G"}, "disk_bytes"),
+    ({"write_queue_bytes": -4096}, "write_queue_bytes"),
+    ({"disk_bytes": "12 parsecs"}, "disk_bytes"),
+    ({"host_bytes": "1.5X"}, "host_bytes"),
+    ({"commit_bytes": "G"}, "commit_bytes"),
+    ({"max_record_bytes": True}, "max_record_bytes"),
+    ({"disk_bytes": 0}, "disk_bytes"),
+    ({"max_record_bytes": 100}, "max_record_bytes"),
+    ({"durability": "fast"}, "durability"),
+    ({"compression": "lz4"}, "compression"),
+    ({"compression_level": 99}, "compression_level"),
+    ({"chunk_tokens": 0}, "chunk_tokens"),
+    ({"chunk_tokens": "256"}, "chunk_tokens"),
+    ({"io_threads": -1}, "io_threads"),
+    ({"path": ""}, "path"),
+]
+
+
+@pytest.mark.parametrize(("settings", "name"), BAD_SETTINGS, ids=[f"{k}" for k, _ in BAD_SETTINGS])
+def test_bad_setting_names_the_setting(tmp_path: Path, settings: dict[str, Any], name: str) -> None:
+    values = {"path": str(tmp_path / "s"), **settings}
+    with pytest.raises(ConfigError) as exc:
+        CacheConfig(**values)
+    assert name in str(exc.value)
+    assert isinstance(exc.value, ValueError)
+    with pytest.raises(ConfigError, match=name):
+        CacheConfig.from_dict(values)
+
+
+def test_path_that_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="path") as exc:
+        CacheConfig(path=f)
+    assert str(f) in str(exc.value)
+    with pytest.raises(ConfigError, match="path"):
+        CacheConfig.from_dict({"path": str(f)})
+
+
+def test_unknown_key_in_from_dict_names_it_and_suggests(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as exc:
+        CacheConfig.from_dict({"path": str(tmp_path), "backnd": "files"})
+    msg = str(exc.value)
+    assert "'backnd'" in msg and "'backend'" in msg
+    with pytest.raises(ConfigError, match="'colour'"):
+        CacheConfig.from_dict({"colour": "blue"}, where="kv_connector_extra_config")
+
+
+def test_sizes_parse(tmp_path: Path) -> None:
+    c = CacheConfig.from_dict({"path": str(tmp_path), "host_bytes": "512M", "disk_bytes": "2GB",
+                               "write_queue_bytes": 4096})
+    assert (c.host_bytes, c.disk_bytes, c.write_queue_bytes) == (512 << 20, 2 * 10**9, 4096)
+
+
+def test_namespace_and_cache_mismatches_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv_shape"):
+        namespace(kv_shape=(2, 3, 4, 32))
+    with pytest.raises(ValueError, match="tp_rank"):
+        namespace(tp_rank=2, tp_size=2)
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        KVCache.open(tmp_path / "a", namespace(), config(tmp_path / "a", chunk_tokens=64))
+    with pytest.raises(ConfigError, match="tail_granularity"):
+        open_cache(tmp_path / "b", tail=5)
+
+
+def _save_one(path: Path, backend: str) -> None:
+    with open_cache(path, backend) as cache:
+        toks = tokens(0, CHUNK)
+        cache.save(toks, make_kv(toks))
+
+
+def _assert_not_locked(path: Path) -> None:
+    """A failed open must not leave this process holding the store's lock."""
+    lock = StoreLock(path, exclusive=True)
+    lock.release()
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_non_empty_foreign_directory_is_refused_and_left_untouched(tmp_path: Path, backend: str) -> None:
+    d = tmp_path / "photos"
+    d.mkdir()
+    (d / "holiday.jpg").write_bytes(b"\xff\xd8")
+    before = sorted(p.name for p in d.iterdir())
+    with pytest.raises(StoreError, match="not a kvtier store|not empty"):
+        ChunkStore(config(d, backend))
+    with pytest.raises(StoreError):
+        KVCache.open(d, namespace(), config(d, backend))
+    assert sorted(p.name for p in d.iterdir()) == before, "opening a foreign directory wrote into it"
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_empty_directory_becomes_a_store(tmp_path: Path, backend: str) -> None:
+    d = tmp_path / "empty"
+    d.mkdir()
+    _save_one(d, backend)
+    info = json.loads((d / MARKER).read_text())
+    assert info["backend"] == backend and info["format"] == "kvtier-store"
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+@pytest.mark.parametrize("version", [2, 99])
+def test_newer_layout_version_is_refused_clearly(tmp_path: Path, backend: str, version: int) -> None:
+    d = tmp_path / "s"
+    _save_one(d, backend)
+    info = json.loads((d / MARKER).read_text())
+    info["layout_version"] = version
+    (d / MARKER).write_text(json.dumps(info))
+    with pytest.raises(StoreFormatError) as exc:
+        ChunkStore(config(d, backend))
+    msg = str(exc.value)
+    assert f"layout version {version}" in msg and "newer kvtier" in msg and "upgrade" in msg
+    with pytest.raises(StoreFormatError):
+        ChunkStore(config(d, backend), readonly=True)
+    _assert_not_locked(d)
+    assert json.loads((d / MARKER).read_text())["layout_version"] == version
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_older_layout_version_and_damaged_marker(tmp_path: Path, backend: str) -> None:
+    d = tmp_path / "s"
+    _save_one(d, backend)
+    good = (d / MARKER).read_text()
+    info = json.loads(good)
+    info["layout_version"] = 0
+    (d / MARKER).write_text(json.dumps(info))
+    with pytest.raises(StoreFormatError, match="older"):
+        ChunkStore(config(d, backend))
+    for damaged in ("{", "[]", json.dumps({"format": "something-else"}),
+                    json.dumps({**json.loads(good), "layout_version": "1"})):
+        (d / MARKER).write_text(damaged)
+        with pytest.raises(StoreError):
+            ChunkStore(config(d, backend))
+    _assert_not_locked(d)
+
+
+@pytest.mark.parametrize(("created", "opened"), [("lmdb", "files"), ("files", "lmdb")])
+def test_store_of_another_backend_is_refused(tmp_path: Path, created: str, opened: str) -> None:
+    d = tmp_path / "s"
+    _save_one(d, created)
+    with pytest.raises(StoreError) as exc:
+        ChunkStore(config(d, opened))
+    msg = str(exc.value)
+    assert repr(created) in msg and repr(opened) in msg and "backend" in msg
+    _assert_not_locked(d)
+    # the store is intact and opens with its own backend
+    with open_cache(d, created) as cache:
+        assert cache.lookup(tokens(0, CHUNK)) == CHUNK
+
+
+def test_readonly_open_of_missing_store(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no such directory"):
+        ChunkStore(config(tmp_path / "nope"), readonly=True)
+    assert not (tmp_path / "nope").exists()

@@ -1,0 +1,183 @@
+"""Damaged records on disk, through the store, for both backends: never served, counted,
+removed, no exception, no large allocation. LMDB values are rewritten in a raw LMDB write
+transaction on the ``records`` database; files-backend records by editing the .kvt file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import pytest
+import xxhash
+from kvhelpers import (
+    CHUNK,
+    craft,
+    header_fields,
+    make_kv,
+    open_cache,
+    peak_alloc,
+    same_bits,
+    tokens,
+)
+
+from kvtier import codec
+from kvtier.keys import FORMAT_VERSION
+
+TOKS = tokens(11, 3 * CHUNK)
+BIG = 80 << 20  # a record far larger than max_record_bytes below
+CFG = {"max_record_bytes": "16M"}
+
+
+def _lmdb_env(store: Path) -> lmdb.Environment:
+    return lmdb.open(str(store / "lmdb"), max_dbs=8, subdir=True, map_size=1 << 30)
+
+
+def _record_file(store: Path, key: bytes) -> Path:
+    h = key.hex()
+    return store / "files" / h[:2] / h[2:4] / f"{h}.kvt"
+
+
+def read_raw(store: Path, backend: str, key: bytes) -> bytes:
+    if backend == "files":
+        return _record_file(store, key).read_bytes()
+    env = _lmdb_env(store)
+    try:
+        with env.begin() as txn:
+            val = txn.get(key, db=env.open_db(b"records", txn=txn))
+            assert val is not None
+            return bytes(val)
+    finally:
+        env.close()
+
+
+def write_raw(store: Path, backend: str, key: bytes, data: bytes | None = None,
+              sparse_size: int | None = None) -> None:
+    """Replace the stored value of ``key`` (the store must be closed)."""
+    if backend == "files":
+        f = _record_file(store, key)
+        if sparse_size is not None:
+            f.write_bytes(b"")
+            os.truncate(f, sparse_size)  # a huge file that costs no disk
+        else:
+            assert data is not None
+            f.write_bytes(data)
+        return
+    env = _lmdb_env(store)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"records", txn=txn)
+            assert txn.get(key, db=db) is not None
+            txn.put(key, data if data is not None else bytes(sparse_size or 0), db=db)
+    finally:
+        env.close()
+
+
+def _flip(rec: bytes, pos: int, bit: int = 0) -> bytes:
+    b = bytearray(rec)
+    b[pos] ^= 1 << bit
+    return bytes(b)
+
+
+def _hlen(rec: bytes) -> int:
+    return int(header_fields(rec)["header_len"])
+
+
+DAMAGE: dict[str, Callable[[bytes, bytes], bytes]] = {
+    # name -> fn(record of the target chunk, record of chunk 0) -> damaged value
+    "payload bit flip": lambda r, _: _flip(r, _hlen(r) + (len(r) - _hlen(r)) // 2, 3),
+    "last payload bit": lambda r, _: _flip(r, len(r) - 1, 7),
+    "header bit flip (shape)": lambda r, _: _flip(r, _hlen(r) - 8 - 24, 1),
+    "header bit flip (magic)": lambda r, _: _flip(r, 0),
+    "truncated payload": lambda r, _: r[:-1000],
+    "truncated header": lambda r, _: r[:40],
+    "empty value": lambda r, _: b"",
+    "crafted huge shape": lambda r, _: craft(r, shape=(2**20, 2**20, 2**10), raw_len=2**51,
+                                             payload_len=2**51),
+    "crafted payload_len + 8": lambda r, _: craft(r, payload_len=header_fields(r)["payload_len"] + 8),
+    "crafted payload_len - 8": lambda r, _: craft(r, payload_len=header_fields(r)["payload_len"] - 8),
+    "crafted zero dim beside 2**63": lambda r, _: craft(
+        r, shape=(0, 2**63), raw_len=0, payload_len=0, payload=b"", checksum=xxhash.xxh3_128_digest(b"")),
+    "crafted shape of 2x the tokens": lambda r, _: craft(
+        r, shape=(2, 2, 2 * CHUNK, 4, 32), raw_len=2 * header_fields(r)["raw_len"],
+        payload_len=2 * header_fields(r)["raw_len"]),
+    "valid record of another key": lambda _, r0: r0,
+    "huge value": lambda r, _: b"",  # handled specially: BIG bytes, over max_record_bytes
+}
+
+
+@pytest.fixture(params=["lmdb", "files"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _fill(store: Path, backend: str) -> list[bytes]:
+    with open_cache(store, backend, **CFG) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        return [c.key for c in cache.chunks(TOKS)]
+
+
+@pytest.mark.parametrize("via", ["get", "load"])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_record_is_a_counted_miss(tmp_path: Path, backend: str, damage: str, via: str) -> None:
+    store = tmp_path / "s"
+    keys = _fill(store, backend)
+    target = keys[1]
+    if damage == "huge value":
+        write_raw(store, backend, target, sparse_size=BIG)
+    else:
+        write_raw(store, backend, target,
+                  DAMAGE[damage](read_raw(store, backend, target), read_raw(store, backend, keys[0])))
+
+    with open_cache(store, backend, **CFG) as cache:
+        assert cache.lookup(TOKS) == 3 * CHUNK  # lookups do not read records...
+        with peak_alloc() as grew:
+            if via == "get":
+                assert cache.store.get(target) is None  # ...loads verify them
+            else:
+                got = cache.load(TOKS)
+                assert same_bits(got, make_kv(TOKS[:CHUNK])), "load must stop before the bad chunk"
+        assert grew[0] < 16 << 20, f"reading a damaged record allocated {grew[0] >> 20} MiB (Python heap)"
+        st = cache.stats()
+        assert st["corrupt_records"] == 1, st
+        assert st["incompatible_records"] == 0 and st["io_errors"] == 0, st
+        # the damaged record was removed: lookups stop claiming it, a new save heals it
+        assert cache.lookup(TOKS) == CHUNK
+        assert cache.store.get(target) is None
+        assert cache.stats()["corrupt_records"] == 1
+        assert cache.save(TOKS, make_kv(TOKS)) == CHUNK  # only the removed chunk is saved again
+    with open_cache(store, backend, **CFG) as cache:
+        assert same_bits(cache.load(TOKS), make_kv(TOKS))
+        assert cache.stats()["corrupt_records"] == 0
+
+
+def test_record_of_another_format_version_is_never_served(tmp_path: Path, backend: str) -> None:
+    store = tmp_path / "s"
+    keys = _fill(store, backend)
+    rec = read_raw(store, backend, keys[1])
+    newer = craft(rec, format_version=FORMAT_VERSION + 1)
+    assert header_fields(newer)["format_version"] == FORMAT_VERSION + 1
+    write_raw(store, backend, keys[1], newer)
+    with open_cache(store, backend, **CFG) as cache:
+        for n in (1, 2):
+            assert cache.store.get(keys[1]) is None
+            st = cache.stats()
+            assert (st["incompatible_records"], st["corrupt_records"], st["hits_disk"]) == (n, 0, 0)
+        got = cache.load(TOKS)
+        assert same_bits(got, make_kv(TOKS[:CHUNK]))
+        assert cache.stats()["incompatible_records"] == 3
+    # another version's record is left for the kvtier that can read it
+    assert read_raw(store, backend, keys[1]) == newer
+
+
+def test_valid_record_of_the_wrong_shape_is_not_served(tmp_path: Path, backend: str) -> None:
+    """A record that verifies but does not fit the namespace (e.g. written under this key by
+    a buggy or hostile writer) never reaches the caller as the chunk's KV."""
+    store = tmp_path / "s"
+    keys = _fill(store, backend)
+    half = make_kv(TOKS[CHUNK:CHUNK + 16], start=CHUNK)
+    h, p = codec.encode(half, key=keys[1], namespace_id=bytes(16), token_start=CHUNK, num_tokens=16)
+    write_raw(store, backend, keys[1], h + bytes(p))
+    with open_cache(store, backend, **CFG) as cache:
+        assert same_bits(cache.load(TOKS), make_kv(TOKS[:CHUNK]))

@@ -1,0 +1,50 @@
+"""A full disk (a real 4 MiB tmpfs): saves that do not fit are dropped and counted, no
+exception reaches the caller, and what was stored before stays readable and correct."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvhelpers import CHUNK, make_kv, open_cache, same_bits, tokens
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_disk_full_drops_and_counts_saves(tmpfs: Path, backend: str) -> None:
+    store = tmpfs / "store"
+    cfg = {"disk_bytes": "1G", "commit_bytes": "256K"}  # the budget is not what stops us: the disk is
+    early = [tokens(i, 4 * CHUNK) for i in range(6)]  # 24 chunks, ~0.8 MiB
+    late = [tokens(100 + i, 4 * CHUNK) for i in range(60)]  # 240 chunks, ~7.7 MiB: does not fit
+    with open_cache(store, backend, **cfg) as cache:
+        for toks in early:
+            cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        assert cache.stats()["dropped_saves"] == 0
+        for toks in late:
+            cache.save(toks, make_kv(toks))  # never raises
+        assert cache.flush(30)
+        st = cache.stats()
+        assert st["dropped_saves"] > 0 and st["io_errors"] > 0, st
+        assert st["saves_committed"] + st["dropped_saves"] == st["saves_queued"], st
+        for toks in early:  # (from the host tier here)
+            assert same_bits(cache.load(toks), make_kv(toks))
+
+    with open_cache(store, backend, **cfg) as cache:  # a restart on the still-full disk
+        for toks in early:
+            assert cache.lookup(toks) == len(toks)
+            assert same_bits(cache.load(toks), make_kv(toks))
+        stored = 0
+        for toks in late:  # whatever made it is whole and correct; the rest is a clean miss
+            got = cache.load(toks)
+            assert same_bits(got, make_kv(toks[: got.shape[2]]))
+            stored += got.shape[2]
+        assert stored < sum(len(t) for t in late)
+        st = cache.stats()
+        assert st["corrupt_records"] == 0 and st["io_errors"] == 0 and st["hits_host"] == 0, st
+        # saving on a full disk, after a restart, is still just a counted drop
+        toks = tokens(999, 8 * CHUNK)
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        assert cache.stats()["dropped_saves"] > 0
+    leftovers = [p for p in store.rglob("*.tmp")]
+    assert not leftovers, f"temp files left on the full disk: {leftovers}"

@@ -1,0 +1,130 @@
+"""Bounded resources: the persistent tier stays within its byte budget and evicts least
+recently used records first; the host tier is an LRU within its budget; a full write queue
+drops saves (counted) and never blocks the caller."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvhelpers import CHUNK, config, make_kv, open_cache, same_bits, tokens
+
+from kvtier import ChunkStore, KVCache, codec
+
+CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # one bf16 chunk
+RECORD = codec._FIXED.size + 8 * 5 + 8 + CHUNK_BYTES  # header + payload of one chunk
+
+
+@pytest.fixture(params=["lmdb", "files"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _seq(name: str, i: int) -> np.ndarray:
+    return tokens({"A": 1000, "B": 2000}[name] + i, CHUNK)
+
+
+def test_disk_budget_evicts_least_recently_used(tmp_path: Path, backend: str) -> None:
+    budget = int(15.5 * RECORD)  # 15 records fit; the 16th triggers eviction down to 90 % (13)
+    store = tmp_path / "s"
+
+    def present(cache: KVCache, name: str, i: int) -> bool:
+        """On disk (the host tier may still hold an evicted record)."""
+        (ref,) = cache.chunks(_seq(name, i))
+        return cache.store.backend.count_present_prefix([ref.key]) == 1
+
+    with open_cache(store, backend, disk_bytes=budget) as cache:
+        for i in range(15):  # one commit each: distinct last-use times, A0 oldest
+            toks = _seq("A", i)
+            cache.save(toks, make_kv(toks))
+            assert cache.flush(10)
+        assert cache.stats()["disk_records"] == 15 and cache.stats()["evicted_disk"] == 0
+
+    with open_cache(store, backend, disk_bytes=budget) as cache:
+        for i in (0, 1, 2):  # use the three oldest: they become the most recently used
+            toks = _seq("A", i)
+            assert same_bits(cache.load(toks), make_kv(toks))
+        for j in range(10):
+            toks = _seq("B", j)
+            cache.save(toks, make_kv(toks))
+            assert cache.flush(10)
+            st = cache.stats()
+            assert st["disk_bytes"] <= budget, st
+            if j == 0:  # the first save over budget must already respect the loads above
+                gone = [i for i in range(15) if not present(cache, "A", i)]
+                assert gone == [3, 4, 5], f"evicted {gone}; LRU must spare the records just loaded"
+        st = cache.stats()
+        assert st["evicted_disk"] == 12 and st["disk_records"] == 13, st
+        assert all(present(cache, "A", i) for i in (0, 1, 2))
+        assert not any(present(cache, "A", i) for i in range(3, 15))
+        assert all(present(cache, "B", j) for j in range(10))
+        for j in range(10, 13):  # now the loaded ones are the oldest: they go next
+            toks = _seq("B", j)
+            cache.save(toks, make_kv(toks))
+            assert cache.flush(10)
+        assert not any(present(cache, "A", i) for i in (0, 1, 2))
+        assert cache.stats()["disk_bytes"] <= budget
+    with ChunkStore(config(store, backend, disk_bytes=budget)) as s:  # the on-disk truth
+        records, nbytes = s.backend.usage()
+        entries = list(s.backend.entries())
+        assert (records, nbytes) == (len(entries), sum(e.size for e in entries)) == (13, 13 * RECORD)
+
+
+def test_host_tier_is_an_lru_within_budget(tmp_path: Path, backend: str) -> None:
+    kv = {i: make_kv(tokens(i, CHUNK)) for i in range(5)}
+    keys = {i: bytes([i]) * 32 for i in range(5)}
+    with ChunkStore(config(tmp_path / "s", backend, host_bytes=3 * CHUNK_BYTES)) as store:
+        def put(i: int) -> None:
+            assert store.put(keys[i], kv[i].clone(), namespace_id=bytes(16), token_start=0,
+                             num_tokens=CHUNK)
+            assert store.flush(10)
+
+        for i in range(3):
+            put(i)
+        assert store.get(keys[0]) is not None  # 0 is now the most recent; 1 the least
+        put(3)
+        assert [k in store.host for k in (keys[0], keys[1], keys[2], keys[3])] == [True, False, True, True]
+        assert store.host.nbytes <= 3 * CHUNK_BYTES and store.counters.evicted_host == 1
+        assert same_bits(store.get(keys[1]), kv[1])  # evicted from RAM, still on disk
+        assert store.counters.hits_disk == 1 and keys[1] in store.host and keys[2] not in store.host
+        assert store.host.nbytes <= 3 * CHUNK_BYTES
+        big = make_kv(tokens(9, 4 * CHUNK))  # bigger than the whole host budget: not kept in RAM
+        assert store.put(b"\x09" * 32, big, namespace_id=bytes(16), token_start=0, num_tokens=4 * CHUNK)
+        assert store.flush(10)
+        assert b"\x09" * 32 not in store.host and len(store.host) == 3
+        assert same_bits(store.get(b"\x09" * 32), big)
+
+
+def test_full_write_queue_drops_saves_without_blocking(tmp_path: Path, backend: str) -> None:
+    with open_cache(tmp_path / "s", backend, write_queue_bytes=4 * CHUNK_BYTES) as cache:
+        store = cache.store
+        kv = make_kv(tokens(0, CHUNK))
+        keys = [bytes([i]) * 32 for i in range(12)]
+        store.backend._write_lock.acquire()  # the disk "hangs": the writer thread blocks in put_many
+        try:
+            accepted, slowest = [], 0.0
+            for k in keys:
+                t0 = time.monotonic()
+                accepted.append(store.put(k, kv.clone(), namespace_id=bytes(16), token_start=0,
+                                          num_tokens=CHUNK))
+                slowest = max(slowest, time.monotonic() - t0)
+            assert accepted == [True] * 4 + [False] * 8
+            assert store.counters.dropped_saves == 8
+            assert slowest < 0.5, f"put() blocked for {slowest:.3f}s"
+            toks = tokens(1, 3 * CHUNK)
+            t0 = time.monotonic()
+            assert cache.save(toks, make_kv(toks)) == 0  # library API: nothing queued, no wait
+            assert time.monotonic() - t0 < 0.5
+            assert store.counters.dropped_saves == 11
+            t0 = time.monotonic()
+            assert store.flush(timeout=0.2) is False  # a bounded wait is honoured
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            store.backend._write_lock.release()
+        assert store.flush(10)
+        on_disk = [store.backend.count_present_prefix([k]) for k in keys]
+        assert on_disk == [1] * 4 + [0] * 8
+        assert cache.lookup(toks) == 0
+        assert cache.stats()["saves_committed"] == 4

@@ -1,0 +1,35 @@
+"""Everything kvtier creates in a store is owner-only: files 0o600, directories 0o700,
+even under a permissive umask."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from kvhelpers import CHUNK, make_kv, open_cache, tokens
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+@pytest.mark.parametrize("durability", ["process", "power"])
+def test_store_is_owner_only(tmp_path: Path, backend: str, durability: str) -> None:
+    store = tmp_path / "s"
+    old = os.umask(0)  # anything created without an explicit mode would be world-writable
+    try:
+        with open_cache(store, backend, durability=durability) as cache:
+            for seed in range(20):  # many keys: many shard directories
+                toks = tokens(seed, CHUNK + 8)
+                cache.save(toks, make_kv(toks))
+    finally:
+        os.umask(old)
+    paths = [store, *store.rglob("*")]
+    files = [p for p in paths if p.is_file()]
+    assert len(files) >= (20 if backend == "files" else 2)
+    wrong = {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode)) for p in paths
+             if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)}
+    assert not wrong, f"not owner-only: {wrong}"
+    names = {p.name for p in files}
+    assert "kvtier-store.json" in names and "kvtier.lock" in names
+    if backend == "lmdb":
+        assert {"data.mdb", "lock.mdb"} <= names

@@ -1,0 +1,174 @@
+"""Round trips across processes, prefix lookups, and isolation by namespace and extras.
+
+The writer is a separate process (forked from the zygote, which runs under another
+PYTHONHASHSEED than this one); this process finds and loads what it wrote, bit for bit,
+computing the same keys.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from kvhelpers import (
+    CHUNK,
+    DTYPES,
+    TAIL,
+    Zygote,
+    config,
+    make_kv,
+    matrix_tokens,
+    namespace,
+    open_cache,
+    same_bits,
+    tokens,
+)
+
+from kvtier import ChunkStore, KVCache, RequestExtras
+from kvtier.keys import chain_seed, child_key
+
+SPECS = [
+    {"name": f"{b}-{d}-{c}-{dur}", "backend": b, "dtype": d, "compression": c, "durability": dur}
+    for b in ("lmdb", "files") for d in DTYPES for c in ("none", "zstd") for dur in ("process",)
+] + [
+    {"name": f"{b}-bfloat16-none-power", "backend": b, "dtype": "bfloat16", "compression": "none",
+     "durability": "power"}
+    for b in ("lmdb", "files")
+]
+
+def test_round_trip_across_processes(zygote: Zygote, tmp_path: Path) -> None:
+    res = zygote.request("call", fn="write_matrix", timeout=180,
+                         kwargs={"root": str(tmp_path), "specs": SPECS})
+    assert "error" not in res, res.get("error")
+    assert res["pid"] != os.getpid()
+    # the writer ran with another PYTHONHASHSEED than this process (see the zygote fixture)
+    assert res["hash"] != hash("kvtier")
+
+    for spec in SPECS:
+        dtype = DTYPES[spec["dtype"]]
+        ns = namespace(spec["dtype"])
+        # the reader's compression setting does not matter: records describe themselves
+        with open_cache(tmp_path / spec["name"], spec["backend"], ns) as cache:
+            for seed in (1, 2):
+                toks = matrix_tokens(seed)
+                assert cache.lookup(toks) == len(toks), spec
+                got = cache.load(toks)
+                assert same_bits(got, make_kv(toks, dtype)), f"{spec['name']}: bits differ"
+            st = cache.stats()
+            assert (st["hits_disk"], st["hits_host"]) == (6, 2), st  # from disk; the shared 2 then from host
+            assert st["corrupt_records"] == 0 and st["misses"] == 0
+            # keys computed here, under another hash seed, equal the writer's
+            assert [c.key.hex() for c in cache.chunks(matrix_tokens(1))] == res["keys"][spec["name"]]
+    assert len({tuple(k) for k in res["keys"].values()}) == len(DTYPES), "one key set per dtype"
+
+
+def test_key_derivation_is_pinned() -> None:
+    """Changing how keys are derived orphans every cache on disk: it must be deliberate
+    (bump FORMAT_VERSION and this value together)."""
+    ns = namespace()
+    key = child_key(chain_seed(ns), np.arange(CHUNK, dtype="<u4"))
+    assert ns.id.hex() == GOLDEN_NS_ID
+    assert key.hex() == GOLDEN_KEY
+
+
+GOLDEN_NS_ID = "4dcee2b19c25288bf771cb89f588fe82"
+GOLDEN_KEY = "f6927f8b98b68447622816c4e610396ba7c33c095ceafaf54fa92cc56de2e639"
+
+
+@pytest.fixture(params=["lmdb", "files"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_prefix_lookups_and_tail(tmp_path: Path, backend: str) -> None:
+    toks = tokens(1, 3 * CHUNK + 16)  # 3 full chunks + a 16-token tail
+    kv = make_kv(toks)
+    with open_cache(tmp_path / "s", backend) as cache:
+        assert [(c.start, c.end) for c in cache.chunks(toks)] == [(0, 32), (32, 64), (64, 96), (96, 112)]
+        assert cache.save(toks, kv) == len(toks)
+        assert cache.save(toks, kv) == 0  # already there
+    with open_cache(tmp_path / "s", backend) as cache:  # a fresh store: from disk
+        def check(query: np.ndarray, want: int) -> None:
+            assert cache.lookup(query) == want, (len(query), want)
+            got = cache.load(query)
+            assert same_bits(got, make_kv(query[:want]))
+
+        check(toks, len(toks))  # the exact sequence hits in full, tail included
+        check(toks[:96], 96)
+        check(toks[:100], 96)  # partial chunks are found only where one was saved
+        check(toks[:69], 64)
+        check(toks[:31], 0)
+        check(np.concatenate([toks, tokens(2, 50)]), len(toks))  # longer: whole saved part
+        for pos, want in ((70, 64), (40, 32), (100, 96), (5, 0)):
+            other = toks.copy()
+            other[pos] += 1  # diverges at pos: only whole chunks before it hit
+            check(other, want)
+        assert cache.load(toks, max_tokens=64).shape[2] == 64
+        assert cache.stats()["corrupt_records"] == 0
+
+        odd = tokens(3, CHUNK + 13)  # tail of 13 is rounded down to 8
+        cache.save(odd, make_kv(odd))
+        cache.flush()
+        check(odd, CHUNK + 8)
+
+
+def test_request_extras_isolate(tmp_path: Path, backend: str) -> None:
+    toks = tokens(4, 2 * CHUNK)
+    saved = RequestExtras(cache_salt="tenant-a", lora="adapter-1", mm_hashes=(("img:abc", 3),))
+    with open_cache(tmp_path / "s", backend) as cache:
+        cache.save(toks, make_kv(toks), saved)
+        cache.flush()
+        assert cache.lookup(toks, saved) == 2 * CHUNK
+        for other in (RequestExtras(), RequestExtras(cache_salt="tenant-b"),
+                      RequestExtras(cache_salt="tenant-a"),
+                      RequestExtras(cache_salt="tenant-a", lora="adapter-2", mm_hashes=(("img:abc", 3),)),
+                      RequestExtras(cache_salt="tenant-a", lora="adapter-1", mm_hashes=(("img:abd", 3),)),
+                      RequestExtras(cache_salt="tenant-a", lora="adapter-1", mm_hashes=(("img:abc", 4),))):
+            assert cache.lookup(toks, other) == 0, other
+            assert cache.load(toks, other).shape[2] == 0
+
+
+NS_VARIANTS = {
+    "model": {"model": "other-model"},
+    "weights_fingerprint": {"weights_fingerprint": "sha256:4567"},
+    "dtype": {"dtype": "float16"},
+    "chunk_tokens": {"chunk_tokens": 64},
+    "tp_rank": {"tp_rank": 1, "tp_size": 2},
+    "tp_size": {"tp_size": 2},
+    "kv_shape": {"kv_shape": (2, 2, 2, 64)},
+    "layout": {"layout": "LKTHD-other"},
+    "format_version": {"format_version": 999},
+    "extra": {"extra": (("rope", "yarn"),)},
+}
+
+
+def test_namespace_isolates(tmp_path: Path, backend: str) -> None:
+    base = namespace()
+    toks = tokens(5, 4 * CHUNK)
+    with open_cache(tmp_path / "s", backend, base) as cache:
+        cache.save(toks, make_kv(toks))
+    ids = {base.id}
+    for name, change in NS_VARIANTS.items():
+        kw = {"dtype": "bfloat16", **change}
+        ns = namespace(**kw)
+        ids.add(ns.id)
+        store = ChunkStore(config(tmp_path / "s", backend, chunk_tokens=ns.chunk_tokens))
+        with KVCache(store, ns, tail_granularity=TAIL) as cache:
+            assert cache.lookup(toks) == 0, name
+            assert cache.load(toks).shape[2] == 0, name
+    assert len(ids) == len(NS_VARIANTS) + 1
+    with open_cache(tmp_path / "s", backend, base) as cache:  # and the original still hits
+        assert cache.lookup(toks) == 4 * CHUNK
+        assert set(cache.store.backend.namespaces()) >= {base.id}
+
+
+def test_kv_of_wrong_shape_or_dtype_is_refused(tmp_path: Path) -> None:
+    toks = tokens(6, CHUNK)
+    with open_cache(tmp_path / "s") as cache:
+        with pytest.raises(ValueError, match="shape"):
+            cache.save(toks, make_kv(toks[:-1]))
+        with pytest.raises(ValueError, match="dtype"):
+            cache.save(toks, make_kv(toks, torch.float16))

@@ -1,0 +1,111 @@
+"""Storage faults never change the output: corrupt chunks are recomputed, full disks only cost hits."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import tokens
+
+from kvtier.testing.engine import Engine, kv_transfer_config
+
+P = [tokens(700, seed=50), tokens(520, seed=51)]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path) -> list[list[int]]:
+    with Engine(tiny_model) as e:
+        return [r.tokens for r in e.generate(P, max_tokens=10)]
+
+
+def test_corrupt_chunk_is_detected_and_recomputed(tiny_model: Path, store_dir: Path,
+                                                  baseline: list[list[int]]) -> None:
+    cfg = kv_transfer_config(store_dir, backend="files")
+    with Engine(tiny_model, cfg) as e:
+        e.generate(P, max_tokens=10)
+    records = sorted(store_dir.joinpath("files").rglob("*.kvt"))
+    assert len(records) >= 4
+    for rec in records:  # flip one payload byte in every record
+        data = bytearray(rec.read_bytes())
+        data[-100] ^= 0x40
+        rec.write_bytes(bytes(data))
+    with Engine(tiny_model, cfg) as e:
+        got = e.generate(P, max_tokens=10)
+        stats = e.worker_connector._store.counters.snapshot()
+    assert [r.tokens for r in got] == baseline
+    assert stats["corrupt_records"] >= 2  # the first chunk of each prompt, at least
+    # Corrupt records were removed and the recomputed KV saved again: the next run hits.
+    with Engine(tiny_model, cfg) as e:
+        again = e.generate(P, max_tokens=10)
+    assert [r.tokens for r in again] == baseline
+    assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 32 * 32 for p in P]
+
+
+def test_tiny_disk_budget_keeps_serving_correctly(tiny_model: Path, store_dir: Path,
+                                                  baseline: list[list[int]]) -> None:
+    cfg = kv_transfer_config(store_dir, disk_bytes="300K", host_bytes=0, write_queue_bytes="300K")
+    for _ in range(2):
+        with Engine(tiny_model, cfg) as e:
+            got = e.generate(P, max_tokens=10)
+            store = e.worker_connector._store
+            store.flush()
+            _, used = store.backend.usage()
+        assert [r.tokens for r in got] == baseline
+        assert used <= 300 * 1024
+
+
+def test_full_disk_keeps_serving_correctly(tiny_model: Path, tmp_path: Path,
+                                           baseline: list[list[int]]) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        cfg = kv_transfer_config(mnt / "store", backend="files")
+        dropped = 0
+        for _ in range(2):
+            with Engine(tiny_model, cfg) as e:
+                got = e.generate(P, max_tokens=10)
+                store = e.worker_connector._store
+                store.flush()
+                dropped += store.counters.snapshot()["dropped_saves"]
+            assert [r.tokens for r in got] == baseline
+        assert dropped > 0  # the disk really filled up
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_unknown_attention_backend_turns_worker_off_and_serves(
+        tiny_model: Path, store_dir: Path, baseline: list[list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the worker cannot handle the KV layout, promised loads fail cleanly (recompute)."""
+    cfg = kv_transfer_config(store_dir)
+    with Engine(tiny_model, cfg) as e:
+        e.generate(P, max_tokens=10)
+    import kvtier.vllm.connector as connector
+
+    monkeypatch.setattr(connector, "BACKEND_CONTENT", {})  # as if vLLM picked a backend we don't know
+    with Engine(tiny_model, cfg) as e:
+        got = e.generate(P, max_tokens=10)
+        assert e.worker_connector.disabled_reason and "CPU_ATTN" in e.worker_connector.disabled_reason
+    assert [r.tokens for r in got] == baseline
+
+
+def test_sliding_window_model_disables_connector(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        max_position_embeddings=4096, sliding_window=128, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = tmp_path / "swa"
+    MistralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model)
+    with Engine(model) as e:
+        base = e.generate(P, max_tokens=6)
+    with Engine(model, kv_transfer_config(tmp_path / "store")) as e:
+        got = e.generate(P, max_tokens=6)
+        reason = e.scheduler_connector.disabled_reason
+    assert reason and "sliding" in reason.lower()
+    assert [r.tokens for r in got] == [r.tokens for r in base]

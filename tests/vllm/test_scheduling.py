@@ -1,0 +1,86 @@
+"""Roles, concurrent batches, chunked prefill and preemption on a real engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import tokens
+
+from kvtier.testing.engine import Engine, kv_transfer_config
+
+
+def test_producer_then_consumer_share_a_store(tiny_model: Path, store_dir: Path) -> None:
+    p = tokens(600, seed=60)
+    with Engine(tiny_model) as e:
+        base = e.generate([p], max_tokens=6)[0]
+    with Engine(tiny_model, kv_transfer_config(store_dir, role="kv_producer")) as e:
+        prod = e.generate([p, p], max_tokens=6)
+    assert [r.num_cached_tokens for r in prod] == [0, 0]  # a producer never loads
+    with Engine(tiny_model, kv_transfer_config(store_dir, role="kv_consumer")) as e:
+        cons = e.generate([p], max_tokens=6)[0]
+        consumer_saves = e.worker_connector._store.counters.snapshot()["saves_queued"]
+    assert cons.num_cached_tokens == 576
+    assert consumer_saves == 0  # a consumer never saves
+    assert prod[0].tokens == cons.tokens == base.tokens
+
+
+def _assert_no_leaks(e: Engine) -> None:
+    sched = e.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but vLLM's null block
+    side = e.scheduler_connector._sched
+    assert not side._reqs and not side._plans and not side._loads
+    worker = e.worker_connector._worker
+    assert not worker._saving_reqs and not worker._loads and not worker._staged
+
+
+def test_concurrent_partial_overlaps_and_early_finishes(tiny_model: Path, store_dir: Path) -> None:
+    shared = tokens(512, seed=70)
+    prompts = [shared + tokens(40 * i + 10, seed=71 + i) for i in range(6)]
+    prompts += [shared[:256] + tokens(300, seed=80), tokens(330, seed=81)]
+    # max_tokens=1 finishes requests in the very step their chunks are saved.
+    lengths = [1, 5, 1, 9, 1, 3, 1, 7]
+    with Engine(tiny_model) as e:
+        base = [e.generate([p], max_tokens=n)[0].tokens for p, n in zip(prompts, lengths, strict=True)]
+    cfg = kv_transfer_config(store_dir)
+    for run in range(2):
+        with Engine(tiny_model, cfg) as e:
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+                      for n in lengths]
+            outs = e.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                  use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == base
+            if run == 1:
+                assert all(o.num_cached_tokens >= 256 for o in outs[:7])
+            _assert_no_leaks(e)
+
+
+def test_long_prompt_chunked_prefill_and_preemption(tiny_model: Path, store_dir: Path) -> None:
+    """Prompts prefilled over several steps and requests preempted for lack of KV blocks."""
+    prompts = [tokens(1500, seed=90 + i) for i in range(4)]
+    opts = {"max_num_batched_tokens": 512, "kv_cache_memory_bytes": 2 << 20, "max_model_len": 2048,
+            "max_num_seqs": 4}
+    with Engine(tiny_model, **opts) as e:
+        base = [r.tokens for r in e.generate(prompts, max_tokens=40)]
+    cfg = kv_transfer_config(store_dir)
+    with Engine(tiny_model, cfg, **opts) as e:
+        preemptions: list[str] = []
+        preempt = e.scheduler._preempt_request
+
+        def counting_preempt(request, *args, **kwargs):  # observe only
+            preemptions.append(request.request_id)
+            return preempt(request, *args, **kwargs)
+
+        e.scheduler._preempt_request = counting_preempt
+        first = e.generate(prompts, max_tokens=40)
+        _assert_no_leaks(e)
+    assert preemptions, "the KV memory was meant to be small enough to force preemption"
+    assert [r.tokens for r in first] == base
+    with Engine(tiny_model, cfg, **opts) as e:
+        second = e.generate(prompts, max_tokens=40)
+        _assert_no_leaks(e)
+    assert [r.tokens for r in second] == base
+    assert [r.num_cached_tokens for r in second] == [1472] * 4

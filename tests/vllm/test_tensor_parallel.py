@@ -1,0 +1,74 @@
+"""Tensor parallelism: each rank stores its own heads; a hit needs every rank's chunk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from conftest import tokens
+
+from kvtier import CacheConfig, ChunkStore, Namespace
+from kvtier.keys import as_token_array, chain_seed, chunk_keys
+from kvtier.vllm.scheduler_side import SchedulerSide
+
+HERE = Path(__file__).parent
+
+
+def _run_tp(model: Path, store: str, prompts_file: Path) -> list[list]:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    r = subprocess.run([sys.executable, str(HERE / "_tp_engine.py"), str(model), store, str(prompts_file)],
+                       capture_output=True, text=True, env=env, timeout=400)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_tp2_engine_saves_per_rank_and_hits_after_restart(tiny_model: Path, tmp_path: Path) -> None:
+    prompts = [tokens(600, seed=100), tokens(300, seed=101)]
+    pf = tmp_path / "prompts.json"
+    pf.write_text(json.dumps(prompts))
+    store = tmp_path / "store"
+    first = _run_tp(tiny_model, str(store), pf)
+    # Each rank registered its own namespace (its own heads).
+    with ChunkStore(CacheConfig(path=store)) as s:
+        ranks = sorted(d["tp_rank"] for d in s.backend.namespaces().values())
+        records, _ = s.backend.usage()
+    assert ranks == [0, 1]
+    assert records >= 2 * 3
+    second = _run_tp(tiny_model, str(store), pf)
+    assert [c for _, c in first] == [0, 0]
+    assert [c for _, c in second] == [576, 288]
+    assert [t for t, _ in first] == [t for t, _ in second]
+
+
+def _namespaces() -> list[Namespace]:
+    return [Namespace(model="m", weights_fingerprint="w", dtype="bfloat16", kv_shape=(2, 2, 1, 32),
+                      chunk_tokens=64, tp_rank=r, tp_size=2) for r in range(2)]
+
+
+def test_hit_requires_every_ranks_chunk(tmp_path: Path) -> None:
+    """The scheduler side promises only the prefix that every rank has stored."""
+    nss = _namespaces()
+    prompt = tokens(300, seed=5)
+    store = ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, host_bytes=0))
+    arr = as_token_array(prompt)
+    refs = [chunk_keys(arr, chain_seed(ns), 64, None) for ns in nss]
+    kv = torch.zeros(2, 2, 64, 1, 32, dtype=torch.bfloat16)
+    for i in range(4):  # rank 0 has 4 chunks, rank 1 only 2
+        store.put(refs[0][i].key, kv.clone(), namespace_id=nss[0].id, token_start=i * 64, num_tokens=64)
+    for i in range(2):
+        store.put(refs[1][i].key, kv.clone(), namespace_id=nss[1].id, token_start=i * 64, num_tokens=64)
+    store.flush()
+    side = SchedulerSide(store, nss, block_size=32, can_load=True, can_save=True, save_partial=False)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, cache_salt=None, lora_request=None,
+                          mm_features=[], prompt_embeds=None)
+    assert side.get_num_new_matched_tokens(req, 0) == (128, True)
+    single = SchedulerSide(store, nss[:1], block_size=32, can_load=True, can_save=True, save_partial=False)
+    assert single.get_num_new_matched_tokens(req, 0) == (256, True)
+    store.close()
