@@ -9,8 +9,10 @@ collide with another tenant's prefix.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -21,6 +23,7 @@ FORMAT_VERSION = 1
 
 KEY_BYTES = 32
 NAMESPACE_ID_BYTES = 16
+_UINT_IS_32 = array.array("I").itemsize == 4
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,12 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian uint32 array (hashing views of it costs no copies)."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4"):
         return tokens
+    if isinstance(tokens, list) and sys.byteorder == "little" and _UINT_IS_32:
+        # array('I') converts a list of ints 3x faster than numpy and range-checks each one.
+        try:
+            return np.frombuffer(array.array("I", tokens), dtype="<u4")
+        except (OverflowError, TypeError):
+            pass  # fall through for the precise error below
     arr = np.asarray(tokens, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")

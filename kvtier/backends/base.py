@@ -112,7 +112,10 @@ class Backend(abc.ABC):
 
         Returns ``(records, bytes)`` removed.
         """
-        entries = list(self.entries())
+        return self.evict_from(list(self.entries()), target_bytes)
+
+    def evict_from(self, entries: list[EntryInfo], target_bytes: int) -> tuple[int, int]:
+        """Evict least-recently-used ``entries`` until at most ``target_bytes`` remain."""
         total = sum(e.size for e in entries)
         if total <= target_bytes:
             return 0, 0

@@ -289,8 +289,13 @@ class FilesBackend(Backend):
         with self._lock:
             if self._bytes <= target_bytes:
                 return 0, 0
-        # Our index may miss other processes' records: decide on a fresh scan of the disk.
-        return super().evict_lru(target_bytes)
+        # Other processes add and remove records too (servers, `kvtier evict`): decide on a
+        # fresh scan of the disk, and resynchronise the index with it.
+        entries = list(self.entries())
+        with self._lock:
+            self._index = {e.key: (e.size, e.atime_ns) for e in entries}
+            self._bytes = sum(e.size for e in entries)
+        return self.evict_from(entries, target_bytes)
 
     def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
         path = self._nsdir / (namespace_id.hex() + ".json")

@@ -71,9 +71,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self.disabled_reason: str | None = None
         # When the worker side is off but the scheduler side planned loads/saves, the worker
-        # still answers: loads fail (vLLM recomputes), saves complete at once.
+        # still answers: loads fail (vLLM recomputes).
         self._orphan_loads: set[str] = set()
-        self._orphan_saves: set[str] = set()
         self._orphan_blocks: set[int] = set()
 
         geometry, reason = kv_geometry(kv_cache_config)
@@ -159,7 +158,6 @@ class KVTierConnector(KVConnectorBase_V1):
                     self._orphan_loads.add(spec.req_id)
                     for chunk in spec.chunks:
                         self._orphan_blocks.update(chunk.block_ids)
-                self._orphan_saves.update(s.req_id for s in orphan.saves)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only after its load finished
@@ -183,10 +181,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
-            sending = finished_req_ids & self._orphan_saves
-            self._orphan_saves -= sending
             recving, self._orphan_loads = self._orphan_loads, set()
-            return sending or None, recving or None
+            return None, recving or None
         return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -217,6 +213,13 @@ class KVTierConnector(KVConnectorBase_V1):
         except Exception as exc:  # a lookup fault is a miss
             log.warning("kvtier: lookup failed: %s", exc)
             return 0, False
+
+    def on_new_request(self, request: Request) -> None:
+        if self._sched is not None:
+            try:
+                self._sched.on_new_request(request)
+            except Exception as exc:
+                log.warning("kvtier: hashing a new request failed: %s", exc)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._sched is not None:

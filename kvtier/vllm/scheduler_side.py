@@ -45,7 +45,6 @@ class _Request:
     to_save: list[_Chunk]
     next_save: int = 0
     block_ids: list[int] = field(default_factory=list)
-    saving: bool = False
     loads_started: int = 0
 
 
@@ -110,6 +109,10 @@ class SchedulerSide:
         return hits
 
     # -- vLLM calls --------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """Hash the prompt as the request arrives, off the scheduling path."""
+        self._state(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         if st is None or not self.can_load:
@@ -185,10 +188,11 @@ class SchedulerSide:
                 continue  # blocks not known (should not happen): skip rather than save garbage
             meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
                                        st.block_ids[c.start // bs : c.end // bs]))
-            st.saving = True
 
     def request_finished(self, request: Any) -> bool:
-        """True if the worker may still be copying this request's blocks (hold them)."""
+        """Forget the request. Never holds its blocks: the worker's copies of a step's saves
+        into host memory are complete when the step ends (``wait_for_save`` synchronizes),
+        and the write to disk continues from those host buffers."""
         self._plans.pop(request.request_id, None)
-        st = self._reqs.pop(request.request_id, None)
-        return bool(st and st.saving)
+        self._reqs.pop(request.request_id, None)
+        return False

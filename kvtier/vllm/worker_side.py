@@ -55,8 +55,6 @@ class WorkerSide:
         self.dtype = kv_caches[layer_names[0]].dtype
         self.copies = CopyStream(kv_caches[layer_names[0]].device)
         self._staged: dict[str, list[_Staged]] = {}
-        self._saving_reqs: set[str] = set()
-        self._finished_pending: set[str] = set()
         self._loads: dict[str, Future[_LoadResult]] = {}
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
@@ -100,7 +98,6 @@ class WorkerSide:
             return
         self.copies.synchronize()
         for s in staged:
-            self._saving_reqs.add(s.spec.req_id)
             if s.buf is None:
                 self._bump(save_skipped_chunks=1)
                 continue
@@ -165,14 +162,9 @@ class WorkerSide:
                 self._load_errors.update(res.failed_blocks)
                 self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
                            load_failed_blocks=len(res.failed_blocks), load_requests=1)
-        # Copies into host memory finish within the step (finish_saves synchronizes), so a
-        # finished request's blocks can be released as soon as vLLM reports it finished.
-        self._finished_pending |= finished_req_ids & self._saving_reqs
-        done_send = set(self._finished_pending)
-        self._saving_reqs -= done_send
-        self._finished_pending.clear()
+        # Saves never hold blocks (see SchedulerSide.request_finished): nothing to report.
         self._maybe_log()
-        return (done_send or None), (done_recv or None)
+        return None, (done_recv or None)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
