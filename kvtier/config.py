@@ -49,12 +49,13 @@ class CacheConfig:
         self.validate()
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], where: str = "kvtier config") -> CacheConfig:
+    def from_dict(cls, values: dict[str, Any], where: str = "kvtier config",
+                  also_known: tuple[str, ...] = ()) -> CacheConfig:
         """Build from a plain dict (e.g. vLLM's ``kv_connector_extra_config``).
 
         Unknown keys are an error, with the closest known name suggested.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | set(also_known)
         for key in values:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -79,7 +80,7 @@ class CacheConfig:
         _choice("compression", self.compression, COMPRESSION)
         _positive_int("chunk_tokens", self.chunk_tokens)
         _positive_int("io_threads", self.io_threads)
-        if not isinstance(self.compression_level, int) or not 1 <= self.compression_level <= 22:
+        if isinstance(self.compression_level, bool) or not isinstance(self.compression_level, int) or not 1 <= self.compression_level <= 22:
             raise ConfigError(f"compression_level: must be an integer from 1 to 22, got {self.compression_level!r}")
         self.host_bytes = parse_size(self.host_bytes, "host_bytes")
         self.disk_bytes = parse_size(self.disk_bytes, "disk_bytes")
@@ -88,6 +89,8 @@ class CacheConfig:
         self.max_record_bytes = parse_size(self.max_record_bytes, "max_record_bytes")
         if self.disk_bytes == 0:
             raise ConfigError("disk_bytes: must be above 0; the persistent tier needs a byte budget (e.g. 64G)")
+        if self.write_queue_bytes == 0:
+            raise ConfigError("write_queue_bytes: must be above 0 (and hold at least one chunk), e.g. 256M")
         if self.commit_bytes == 0:
             raise ConfigError("commit_bytes: must be above 0 (e.g. 64M)")
         if self.max_record_bytes < 4096:

@@ -87,6 +87,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"chunk_tokens: {self.settings.cache.chunk_tokens} must be a multiple of vLLM's "
                 f"block_size ({geometry.block_size}); e.g. set chunk_tokens to "
                 f"{max(1, 256 // geometry.block_size) * geometry.block_size}")
+        chunk_bytes = (len(geometry.layer_names) * 2 * self.settings.cache.chunk_tokens
+                       * geometry.num_kv_heads * geometry.head_size * geometry.dtype.itemsize)
+        for name in ("max_record_bytes", "write_queue_bytes"):
+            if getattr(self.settings.cache, name) < chunk_bytes:
+                raise ConfigError(
+                    f"{name}: {getattr(self.settings.cache, name)} bytes is smaller than one chunk of "
+                    f"this model ({chunk_bytes} bytes); raise it or lower chunk_tokens")
         self._geometry = geometry
         # Open the store first: the weights-fingerprint cache lives inside it.
         self._store = ChunkStore(self.settings.cache)

@@ -33,7 +33,7 @@ class ConnectorSettings:
         extra = dict(extra or {})
         own = {f.name for f in fields(cls)} - {"cache"}
         mine = {k: extra.pop(k) for k in list(extra) if k in own}
-        cache = CacheConfig.from_dict(extra, where="kv_connector_extra_config")
+        cache = CacheConfig.from_dict(extra, where="kv_connector_extra_config", also_known=tuple(own))
         policy = mine.get("load_failure_policy", "recompute")
         if policy not in LOAD_FAILURE_POLICIES:
             raise ConfigError(

@@ -61,10 +61,10 @@ def test_concurrent_partial_overlaps_and_early_finishes(tiny_model: Path, store_
 def test_long_prompt_chunked_prefill_and_preemption(tiny_model: Path, store_dir: Path) -> None:
     """Prompts prefilled over several steps and requests preempted for lack of KV blocks."""
     prompts = [tokens(1500, seed=90 + i) for i in range(4)]
-    opts = {"max_num_batched_tokens": 512, "kv_cache_memory_bytes": 2 << 20, "max_model_len": 2048,
+    opts = {"max_num_batched_tokens": 512, "kv_cache_memory_bytes": 3 << 19, "max_model_len": 2048,
             "max_num_seqs": 4}
     with Engine(tiny_model, **opts) as e:
-        base = [r.tokens for r in e.generate(prompts, max_tokens=40)]
+        base = [r.tokens for r in e.generate(prompts, max_tokens=100)]
     cfg = kv_transfer_config(store_dir)
     with Engine(tiny_model, cfg, **opts) as e:
         preemptions: list[str] = []
@@ -75,12 +75,12 @@ def test_long_prompt_chunked_prefill_and_preemption(tiny_model: Path, store_dir:
             return preempt(request, *args, **kwargs)
 
         e.scheduler._preempt_request = counting_preempt
-        first = e.generate(prompts, max_tokens=40)
+        first = e.generate(prompts, max_tokens=100)
         _assert_no_leaks(e)
     assert preemptions, "the KV memory was meant to be small enough to force preemption"
     assert [r.tokens for r in first] == base
     with Engine(tiny_model, cfg, **opts) as e:
-        second = e.generate(prompts, max_tokens=40)
+        second = e.generate(prompts, max_tokens=100)
         _assert_no_leaks(e)
     assert [r.tokens for r in second] == base
     assert [r.num_cached_tokens for r in second] == [1472] * 4

@@ -1,0 +1,52 @@
+"""Bad connector options stop start-up with a clear message; metrics reach vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import tokens
+
+from kvtier.testing.engine import Engine, kv_transfer_config
+from kvtier.vllm.stats import KVTierStats
+from kvtier.vllm.worker_side import WorkerSide
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"disk_byte": "1G"}, "did you mean 'disk_bytes'"),
+    ({"chunk_tokens": 100}, "chunk_tokens: 100 must be a multiple of vLLM's block_size (32)"),
+    ({"backend": "redis"}, "backend: must be one of"),
+])
+def test_bad_option_stops_startup_with_clear_message(tiny_model: Path, store_dir: Path,
+                                                     extra: dict[str, object], needle: str) -> None:
+    with pytest.raises(Exception) as info:
+        Engine(tiny_model, kv_transfer_config(store_dir, **extra))
+    chain, exc = [], info.value
+    while exc is not None:  # vLLM may wrap our ConfigError
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    assert any(needle in m for m in chain), chain
+
+
+def test_stats_reach_vllm(tiny_model: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reported: list[dict[str, float]] = []
+    take = WorkerSide.take_stats
+
+    def recording(self: WorkerSide) -> dict[str, float]:  # observe what vLLM receives
+        out = take(self)
+        reported.append(out)
+        return out
+
+    monkeypatch.setattr(WorkerSide, "take_stats", recording)
+    p = tokens(600, seed=200)
+    for _ in range(2):
+        with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+            e.generate([p], max_tokens=3)
+    total = KVTierStats(data={})
+    for r in reported:
+        total.aggregate(KVTierStats(data=r))
+    summary = total.reduce()
+    assert summary["save_chunks"] >= 3  # two full chunks and the tail, in the first run
+    assert summary["load_tokens"] == 576  # the second run loaded the prefix
+    assert summary["store_hits_disk"] >= 3
+    assert summary["load_requests"] == 1
