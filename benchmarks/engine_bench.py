@@ -1,0 +1,121 @@
+"""End-to-end vLLM benchmark: time to first token after a restart, and overhead without reuse.
+
+Compares, side by side in one run on the same tiny local model (random weights, CPU backend):
+  * TTFT of a long prompt with no connector (full prefill),
+  * kvtier on an empty store (prefill + save), then a fresh engine on the same store (load),
+  * vLLM's ExampleConnector (save, then load in a fresh engine),
+  * throughput on a workload with no reuse (distinct prompts), with and without kvtier.
+Each "fresh engine" is a new engine in this process (vLLM in-process mode); the store's files
+may still be in the page cache (warm) unless --drop-caches is given (needs root).
+
+    .venv/bin/python benchmarks/engine_bench.py [--tokens 8192] [--drop-caches]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def drop_caches(enabled: bool) -> str:
+    if not enabled:
+        return "warm"
+    subprocess.run(["sync"], check=False)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "cold"
+    except OSError:
+        return "warm (drop_caches refused)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--repeat", type=int, default=3, help="TTFT samples per configuration")
+    ap.add_argument("--no-reuse-prompts", type=int, default=16)
+    ap.add_argument("--drop-caches", action="store_true")
+    args = ap.parse_args()
+
+    from vllm.config import KVTransferConfig
+
+    from kvtier.testing.engine import Engine, kv_transfer_config
+    from kvtier.testing.tiny_model import make_tiny_llama
+
+    work = Path(tempfile.mkdtemp(prefix="kvtier-engine-bench-"))
+    model = make_tiny_llama(work / "model", layers=4, hidden=512, heads=8, kv_heads=4, vocab=2048,
+                            max_len=args.tokens + 64, std=0.05)
+    rng = random.Random(0)
+    opts = {"max_model_len": args.tokens + 64, "max_num_batched_tokens": 2048,
+            "kv_cache_memory_bytes": 512 << 20, "enable_prefix_caching": False}
+    prompts = [[rng.randrange(3, 2000) for _ in range(args.tokens)] for _ in range(args.repeat)]
+    warm = [rng.randrange(3, 2000) for _ in range(64)]
+
+    def ttfts(engine: Engine) -> tuple[list[float], list[int], list[list[int]]]:
+        engine.generate([warm], max_tokens=1)
+        times, cached, outs = [], [], []
+        for p in prompts:
+            r, t = engine.timed_generate(p, max_tokens=1)
+            times.append(t)
+            cached.append(r.num_cached_tokens)
+            outs.append(r.tokens)
+        return times, cached, outs
+
+    rows: list[tuple[str, float, int, bool]] = []
+    with Engine(model, **opts) as e:
+        base_t, _, base_out = ttfts(e)
+    rows.append(("no connector (prefill)", statistics.median(base_t), 0, True))
+
+    store = work / "kvtier-store"
+    with Engine(model, kv_transfer_config(store), **opts) as e:
+        t, c, o = ttfts(e)
+    rows.append(("kvtier, empty store (prefill + save)", statistics.median(t), c[0], o == base_out))
+    state = drop_caches(args.drop_caches)
+    with Engine(model, kv_transfer_config(store), **opts) as e:
+        t, c, o = ttfts(e)
+    rows.append((f"kvtier, fresh engine ({state} store)", statistics.median(t), c[0], o == base_out))
+
+    ex_dir = work / "example-store"
+    ex_cfg = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": str(ex_dir)})
+    with Engine(model, ex_cfg, **opts) as e:
+        t, c, o = ttfts(e)
+    rows.append(("ExampleConnector, empty store", statistics.median(t), c[0], o == base_out))
+    state = drop_caches(args.drop_caches)
+    with Engine(model, ex_cfg, **opts) as e:
+        t, c, o = ttfts(e)
+    rows.append((f"ExampleConnector, fresh engine ({state})", statistics.median(t), c[0], o == base_out))
+
+    distinct = [[rng.randrange(3, 2000) for _ in range(1024)] for _ in range(args.no_reuse_prompts)]
+    tput = {}
+    for name, cfg in (("no connector", None), ("kvtier", kv_transfer_config(work / "noreuse"))):
+        with Engine(model, cfg, **opts) as e:
+            e.generate([warm], max_tokens=1)
+            t0 = time.perf_counter()
+            e.generate(distinct, max_tokens=32)
+            tput[name] = (len(distinct) * (1024 + 32)) / (time.perf_counter() - t0)
+
+    base = rows[0][1]
+    print(f"\nprompt {args.tokens} tokens, median of {args.repeat}; model: 4 layers, hidden 512, "
+          "8 heads (4 KV), bf16, CPU backend\n")
+    print("| configuration | TTFT (s) | vs no connector | cached tokens | same output |")
+    print("|---|---|---|---|---|")
+    for name, t, c, same in rows:
+        print(f"| {name} | {t:.3f} | {base / t:.2f}x | {c} | {same} |")
+    print("\n| no-reuse workload | tokens/s | vs no connector |")
+    print("|---|---|---|")
+    for name, v in tput.items():
+        print(f"| {name} | {v:.0f} | {v / tput['no connector']:.3f}x |")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
