@@ -104,7 +104,8 @@ class KVTierConnector(KVConnectorBase_V1):
                           for r in range(tp)]
             self._sched = SchedulerSide(self._store, namespaces, geometry.block_size,
                                         can_load=self._can_load, can_save=self._can_save,
-                                        save_partial=self.settings.save_partial_chunks)
+                                        save_partial=self.settings.save_partial_chunks,
+                                        load_async=self.settings.load_async)
             log.info("kvtier: connector on (%s, store %s, backend %s, namespace %s)",
                      ktc.kv_role, self.settings.cache.path, self.settings.cache.backend,
                      namespaces[0].id.hex())

@@ -22,6 +22,7 @@ class ChunkLoad:
 class LoadSpec:
     req_id: str
     chunks: list[ChunkLoad]
+    sync: bool = False  # load before this step's forward pass instead of in the background
 
 
 @dataclass

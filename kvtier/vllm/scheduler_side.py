@@ -50,7 +50,7 @@ class _Request:
 
 class SchedulerSide:
     def __init__(self, store: ChunkStore, namespaces: list[Namespace], block_size: int,
-                 *, can_load: bool, can_save: bool, save_partial: bool) -> None:
+                 *, can_load: bool, can_save: bool, save_partial: bool, load_async: bool = True) -> None:
         self.store = store
         self.namespaces = namespaces  # one per tensor-parallel rank
         self.block_size = block_size
@@ -58,6 +58,7 @@ class SchedulerSide:
         self.can_load = can_load
         self.can_save = can_save
         self.save_partial = save_partial
+        self.load_async = load_async
         self._reqs: dict[str, _Request] = {}
         # req -> (local hit in tokens, [(chunk, tokens of it to load)])
         self._plans: dict[str, tuple[int, list[tuple[_Chunk, int]]]] = {}
@@ -131,7 +132,7 @@ class SchedulerSide:
         plan = [(c, min(c.end, end) - c.start) for c in hits if c.end > num_computed_tokens and c.start < end]
         self._plans[request.request_id] = (num_computed_tokens, plan)
         self.hit_tokens += end - num_computed_tokens
-        return end - num_computed_tokens, True
+        return end - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         planned = self._plans.pop(request.request_id, None)
@@ -151,7 +152,7 @@ class SchedulerSide:
                 continue
             chunks.append(ChunkLoad(c.keys, c.start, c.end - c.start, (begin - c.start) // bs,
                                     block_ids[begin // bs : end // bs]))
-        self._loads.append(LoadSpec(request.request_id, chunks))
+        self._loads.append(LoadSpec(request.request_id, chunks, sync=not self.load_async))
 
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)

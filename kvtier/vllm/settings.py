@@ -27,6 +27,9 @@ class ConnectorSettings:
     # Save the prompt's trailing partial chunk (rounded down to the block size) so that an
     # exactly repeated prompt hits in full.
     save_partial_chunks: bool = True
+    # Load in the background between steps (other requests keep running) or synchronously
+    # before the step's forward pass (lowest time to first token for a lone request).
+    load_async: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -44,5 +47,8 @@ class ConnectorSettings:
         partial = mine.get("save_partial_chunks", True)
         if not isinstance(partial, bool):
             raise ConfigError(f"save_partial_chunks: must be true or false, got {partial!r}")
+        load_async = mine.get("load_async", True)
+        if not isinstance(load_async, bool):
+            raise ConfigError(f"load_async: must be true or false, got {load_async!r}")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
-                   save_partial_chunks=partial)
+                   save_partial_chunks=partial, load_async=load_async)

@@ -109,9 +109,10 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------
     def start_loads(self, meta: KVTierMetadata) -> None:
         for spec in meta.loads:
-            if spec.req_id in self._loads:
-                continue
-            self._loads[spec.req_id] = self._pool.submit(self._load, spec)
+            if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
+                self._finish_load(self._load(spec))
+            elif spec.req_id not in self._loads:
+                self._loads[spec.req_id] = self._pool.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> _LoadResult:
         res = _LoadResult()
@@ -159,12 +160,15 @@ class WorkerSide:
                 except Exception as exc:  # defensive: _load catches everything
                     log.warning("kvtier: load job failed: %s", exc)
                     res = _LoadResult()
-                self._load_errors.update(res.failed_blocks)
-                self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
-                           load_failed_blocks=len(res.failed_blocks), load_requests=1)
+                self._finish_load(res)
         # Saves never hold blocks (see SchedulerSide.request_finished): nothing to report.
         self._maybe_log()
         return None, (done_recv or None)
+
+    def _finish_load(self, res: _LoadResult) -> None:
+        self._load_errors.update(res.failed_blocks)
+        self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
+                   load_failed_blocks=len(res.failed_blocks), load_requests=1)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

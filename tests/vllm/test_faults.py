@@ -109,3 +109,24 @@ def test_sliding_window_model_disables_connector(tmp_path: Path, caplog: pytest.
         reason = e.scheduler_connector.disabled_reason
     assert reason and "sliding" in reason.lower()
     assert [r.tokens for r in got] == [r.tokens for r in base]
+
+
+def test_sync_load_mode_hits_and_survives_corruption(tiny_model: Path, store_dir: Path,
+                                                     baseline: list[list[int]]) -> None:
+    """``load_async: false`` loads before the forward pass; a bad chunk is still recomputed."""
+    cfg = kv_transfer_config(store_dir, backend="files", load_async=False)
+    with Engine(tiny_model, cfg) as e:
+        e.generate(P, max_tokens=10)
+    with Engine(tiny_model, cfg) as e:
+        got = e.generate(P, max_tokens=10)
+    assert [r.tokens for r in got] == baseline
+    assert [r.num_cached_tokens for r in got] == [(len(p) - 1) // 32 * 32 for p in P]
+    for rec in sorted(store_dir.joinpath("files").rglob("*.kvt")):
+        data = bytearray(rec.read_bytes())
+        data[-7] ^= 0x01
+        rec.write_bytes(bytes(data))
+    with Engine(tiny_model, cfg) as e:
+        got = e.generate(P, max_tokens=10)
+        corrupt = e.worker_connector._store.counters.snapshot()["corrupt_records"]
+    assert [r.tokens for r in got] == baseline
+    assert corrupt >= 2
