@@ -133,12 +133,18 @@ class KVCache:
         n = hits[-1].end if hits else 0
         layers, two, heads, dim = self.namespace.kv_shape
         out = torch.empty((layers, two, n, heads, dim), dtype=self._dtype)
-        for ref in hits:
-            dst = out.narrow(TOKEN_AXIS, ref.start, ref.num_tokens)
-            got = self.store.get(ref.key)
-            if got is None or tuple(got.shape) != tuple(dst.shape) or got.dtype != dst.dtype:
+        dsts = [out.narrow(TOKEN_AXIS, ref.start, ref.num_tokens) for ref in hits]
+        if out.numel() * out.element_size() * 4 > self.store.host.budget:
+            # A bulk load (over a quarter of the host tier): decode each chunk straight into its slice of ``out``, in parallel,
+            # and keep it out of the host tier (it would evict most of it, and the per-chunk
+            # tensors it needs cost an allocation each, slower than the disk here).
+            got = self.store.load_into([ref.key for ref in hits], dsts)
+            return out if got == len(hits) else out.narrow(TOKEN_AXIS, 0, hits[got].start).clone()
+        for ref, dst in zip(hits, dsts, strict=True):  # small: through the host tier, for reuse
+            chunk = self.store.get(ref.key)
+            if chunk is None or tuple(chunk.shape) != tuple(dst.shape) or chunk.dtype != dst.dtype:
                 return out.narrow(TOKEN_AXIS, 0, ref.start).clone()
-            dst.copy_(got)
+            dst.copy_(chunk)
         return out
 
     def flush(self, timeout: float | None = None) -> bool:

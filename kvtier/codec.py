@@ -214,9 +214,16 @@ def decode(
         out = torch.empty(header.shape, dtype=header.dtype)
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
-    if not out.is_contiguous() or out.device.type != "cpu":
-        out.copy_(decode(record, max_record_bytes=max_record_bytes)[1])
-        return header, out
     # numpy copy: the source may be a read-only view (an LMDB map), which torch cannot wrap.
-    np.copyto(out.view(torch.uint8).reshape(-1).numpy(), raw)
+    if out.device.type == "cpu" and out.is_contiguous():
+        np.copyto(out.view(torch.uint8).reshape(-1).numpy(), raw)
+        return header, out
+    if out.device.type == "cpu" and out.dim() and out.stride(-1) == 1:
+        # A strided CPU slice (e.g. one chunk of a bigger KV tensor along the token axis):
+        # copy straight into it, with no temporary tensor. Viewing the last dimension as bytes
+        # needs it contiguous, which a slice along an outer axis keeps.
+        dst = out.view(torch.uint8).numpy()
+        np.copyto(dst, raw.reshape(dst.shape))
+        return header, out
+    out.copy_(decode(record, max_record_bytes=max_record_bytes)[1])
     return header, out

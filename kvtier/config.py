@@ -42,7 +42,7 @@ class CacheConfig:
     compression: str = "none"
     compression_level: int = 3
     io_threads: int = 4
-    commit_bytes: int | str = "64M"
+    commit_bytes: int | str = "256M"
     max_record_bytes: int | str = "1G"
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -89,9 +90,12 @@ class RequestExtras:
 NO_EXTRAS = RequestExtras()
 
 
-@dataclass(frozen=True)
-class ChunkRef:
-    """A chunk of a token sequence: tokens ``[start, end)`` and the key naming that prefix."""
+class ChunkRef(NamedTuple):
+    """A chunk of a token sequence: tokens ``[start, end)`` and the key naming that prefix.
+
+    A NamedTuple (immutable, like the frozen dataclass it was) because a lookup builds 512
+    of them for a 128k-token prompt, and a tuple is built ~3x faster than a dataclass.
+    """
 
     key: bytes
     start: int
@@ -147,13 +151,23 @@ def chunk_keys(
     The trailing partial chunk is rounded down to a multiple of ``tail_granularity``
     (e.g. vLLM's block size); ``None`` means no partial chunk.
     """
+    # One byte view of the whole array and the length prefix computed once: slicing a
+    # memoryview per chunk is far cheaper than a numpy slice + memoryview + cast each time.
+    # The bytes hashed are exactly child_key's (tests pin a key value).
+    mv = memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+    sha256 = hashlib.sha256
     refs: list[ChunkRef] = []
     parent = seed
     n = len(tokens)
     full = n // chunk_tokens
+    step = chunk_tokens * 4
+    length = chunk_tokens.to_bytes(4, "little")
     for i in range(full):
+        h = sha256(parent)
+        h.update(length)
+        h.update(mv[i * step : (i + 1) * step])
+        parent = h.digest()
         s = i * chunk_tokens
-        parent = child_key(parent, tokens[s : s + chunk_tokens])
         refs.append(ChunkRef(parent, s, s + chunk_tokens))
     if tail_granularity:
         s = full * chunk_tokens

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -308,6 +308,36 @@ class ChunkStore:
         """Load several chunks on the I/O pool; the future's result has None for misses."""
         outs = list(outs) if outs is not None else [None] * len(keys)
         return self._loads.submit(lambda: [self.get(k, o) for k, o in zip(keys, outs, strict=True)])
+
+    def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
+        """Load chunks straight into ``outs`` (one per key), in parallel on the I/O pool, and
+        return how many leading chunks loaded: a miss or a bad record ends the prefix.
+
+        Nothing goes into the host tier (a bulk load would only flush it); the destinations
+        may be strided slices of one tensor.
+        """
+        if len(keys) != len(outs):
+            raise ValueError("one destination per key")
+        if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
+            # serial on a pool thread: waiting there for the same pool could deadlock
+            n = 0
+            for k, o in zip(keys, outs, strict=True):
+                if self.get(k, o) is None:
+                    break
+                n += 1
+            return n
+        futures = [self._loads.submit(self.get, k, o) for k, o in zip(keys, outs, strict=True)]
+        n = len(futures)
+        for i, fut in enumerate(futures):
+            if fut.result() is None:
+                n = i
+                break
+        rest = futures[n + 1:]
+        for fut in rest:  # not needed any more
+            fut.cancel()
+        # and those already running finish before we return: nothing writes into outs later
+        wait(rest)
+        return n
 
     def prefetch(self, keys: Sequence[bytes]) -> Future[int]:
         """Bring chunks into the host tier ahead of use; the future gives how many are there."""

@@ -64,18 +64,24 @@ def blocks_view(kv_layer: torch.Tensor, content: str, head_dim: int) -> torch.Te
 
 def gather_blocks(view: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor,
                   non_blocking: bool = False) -> None:
-    """Copy blocks ``block_ids`` of a ``[B, 2, N, H, D]`` view into ``out`` ``[2, len*N, H, D]``."""
+    """Copy blocks ``block_ids`` of a ``[B, 2, N, H, D]`` view into ``out`` ``[2, len*N, H, D]``.
+
+    One gather and one copy per call: few Python-level operations matter, because the load
+    and save paths share the interpreter with vLLM's busy engine loop.
+    """
     n = view.shape[2]
+    idx = torch.as_tensor(block_ids, dtype=torch.long, device=view.device)
     dst = out.view(2, len(block_ids), n, *out.shape[2:])
-    for j, b in enumerate(block_ids):
-        dst[:, j].copy_(view[b], non_blocking=non_blocking)
+    dst.copy_(view.index_select(0, idx).transpose(0, 1), non_blocking=non_blocking)
 
 
 def scatter_blocks(view: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor,
                    non_blocking: bool = False) -> None:
     """Copy ``src`` ``[2, >=len*N, H, D]`` into blocks ``block_ids`` of a ``[B, 2, N, H, D]`` view."""
     n = view.shape[2]
-    tokens = len(block_ids) * n
-    s = src.narrow(1, 0, tokens).reshape(2, len(block_ids), n, *src.shape[2:])
-    for j, b in enumerate(block_ids):
-        view[b].copy_(s[:, j], non_blocking=non_blocking)
+    nb = len(block_ids)
+    s = src.narrow(1, 0, nb * n).reshape(2, nb, n, *src.shape[2:]).transpose(0, 1)
+    if s.device != view.device:
+        s = s.to(view.device, non_blocking=non_blocking)
+    idx = torch.as_tensor(block_ids, dtype=torch.long, device=view.device)
+    view.index_copy_(0, idx, s)
