@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -23,10 +23,11 @@ from kvtier.keys import Namespace
 from kvtier.store import ChunkStore
 from kvtier.vllm.device import CopyStream
 from kvtier.vllm.layout import blocks_view, gather_blocks, scatter_blocks
-from kvtier.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("kvtier")
 LOG_INTERVAL_S = 60.0
+LOAD_POLL_S = 0.002
 
 
 @dataclass
@@ -38,6 +39,7 @@ class _Staged:
 @dataclass
 class _LoadResult:
     failed_blocks: list[int] = field(default_factory=list)
+    loaded: list[tuple[ChunkLoad, torch.Tensor]] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
 
@@ -110,47 +112,69 @@ class WorkerSide:
     def start_loads(self, meta: KVTierMetadata) -> None:
         for spec in meta.loads:
             if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
-                self._finish_load(self._load(spec))
+                self._finish_load(self._read(spec))
             elif spec.req_id not in self._loads:
-                self._loads[spec.req_id] = self._pool.submit(self._load, spec)
+                self._loads[spec.req_id] = self._pool.submit(self._read, spec)
 
-    def _load(self, spec: LoadSpec) -> _LoadResult:
+    def _read(self, spec: LoadSpec) -> _LoadResult:
+        """Read and verify a request's chunks (a background thread in async mode).
+
+        Only storage work happens here: reads, checksums and decoding into host tensors
+        release the GIL and use no thread pool of torch's. The copies into vLLM's KV cache
+        run on the thread that drives the model (see ``_scatter``): from a second thread
+        they would fight the worker's OpenMP threads for the same cores.
+        """
         res = _LoadResult()
         t0 = time.perf_counter()
-        copies = CopyStream(self.copies.device)
-        failed_from = None
+        want = (len(self.views), 2)
         for i, chunk in enumerate(spec.chunks):
             try:
                 data = self.store.get(chunk.keys[self.rank])
-                ok = data is not None and tuple(data.shape) == (
-                    len(self.views), 2, chunk.num_tokens, self.heads, self.head_dim) and data.dtype == self.dtype
-                if ok:
-                    skip = chunk.skip_blocks * self.block_size
-                    with copies.after_compute():
-                        for li, view in enumerate(self.views):
-                            scatter_blocks(view, chunk.block_ids, data[li].narrow(1, skip, data.shape[2] - skip),
-                                           non_blocking=copies.non_blocking)
-                    copies.synchronize()
-                    res.tokens += len(chunk.block_ids) * self.block_size
+                ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
+                      and data.dtype == self.dtype)
             except Exception as exc:  # never raise into vLLM: the blocks get recomputed
                 log.warning("kvtier: loading a chunk failed: %s", exc)
                 ok = False
             if not ok:
-                failed_from = i
+                for rest in spec.chunks[i:]:
+                    res.failed_blocks.extend(rest.block_ids)
+                # Verify the rest too (unused: the prefix is broken) so corrupt records are
+                # found and removed now, and the recomputed KV replaces them.
+                for rest in spec.chunks[i + 1 :]:
+                    self.store.get(rest.keys[self.rank])
                 break
-        if failed_from is not None:
-            for chunk in spec.chunks[failed_from:]:
-                res.failed_blocks.extend(chunk.block_ids)
-            # Verify the rest too (not used: the prefix is broken) so corrupt records are
-            # found and removed now, and the recomputed KV replaces them.
-            for chunk in spec.chunks[failed_from + 1 :]:
-                self.store.get(chunk.keys[self.rank])
+            res.loaded.append((chunk, data))
         res.seconds = time.perf_counter() - t0
         return res
+
+    def _scatter(self, res: _LoadResult) -> None:
+        """Copy loaded chunks into their blocks (on the model's thread; waits for the copies)."""
+        t0 = time.perf_counter()
+        try:
+            with self.copies.after_compute():
+                for chunk, data in res.loaded:
+                    skip = chunk.skip_blocks * self.block_size
+                    for li, view in enumerate(self.views):
+                        scatter_blocks(view, chunk.block_ids, data[li].narrow(1, skip, data.shape[2] - skip),
+                                       non_blocking=self.copies.non_blocking)
+                    res.tokens += len(chunk.block_ids) * self.block_size
+            self.copies.synchronize()
+        except Exception as exc:
+            log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
+            for chunk, _ in res.loaded:
+                res.failed_blocks.extend(chunk.block_ids)
+            res.tokens = 0
+        res.loaded = []
+        res.seconds += time.perf_counter() - t0
 
     # -- completion ------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done_recv = set()
+        if self._loads:
+            # vLLM's engine loop spins on this thread while requests wait for their KV; a
+            # short wait here hands the GIL to the reader threads (otherwise each of their
+            # GIL-releasing I/O calls waits a whole switch interval to get it back).
+            wait(list(self._loads.values()), timeout=LOAD_POLL_S, return_when=FIRST_COMPLETED)
         for req_id, fut in list(self._loads.items()):
             if fut.done():
                 del self._loads[req_id]
@@ -166,6 +190,7 @@ class WorkerSide:
         return None, (done_recv or None)
 
     def _finish_load(self, res: _LoadResult) -> None:
+        self._scatter(res)
         self._load_errors.update(res.failed_blocks)
         self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
                    load_failed_blocks=len(res.failed_blocks), load_requests=1)
