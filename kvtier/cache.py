@@ -66,7 +66,12 @@ class KVCache:
         """Open (creating if needed) the store at ``path`` for ``namespace``."""
         cfg = replace(config, path=Path(path)) if config else CacheConfig(
             path=Path(path), chunk_tokens=namespace.chunk_tokens)
-        return cls(ChunkStore(cfg, readonly=readonly), namespace, tail_granularity=tail_granularity)
+        store = ChunkStore(cfg, readonly=readonly)
+        try:
+            return cls(store, namespace, tail_granularity=tail_granularity)
+        except BaseException:
+            store.close(flush=False)  # don't leak threads and the store lock on a bad argument
+            raise
 
     # -- keys ----------------------------------------------------------------------
     def _seed(self, extras: RequestExtras) -> bytes:

@@ -216,7 +216,7 @@ class ChunkStore:
             items.append(PutItem(p.key, header, payload, p.namespace_id))
         try:
             self.backend.put_many(items)
-        except OSError as exc:
+        except Exception as exc:  # OSError (disk full, I/O), lmdb.MapFullError, ...
             self.counters.add(dropped_saves=len(batch), io_errors=1)
             self._warn.warning("save", "kvtier: saving %d chunks failed (%s); they stay uncached",
                                len(batch), exc)
@@ -366,6 +366,12 @@ class ChunkStore:
         if flush and not self.readonly:
             self.flush()
         with self._cv:
+            if not flush and self._queue:  # abandon what is queued, counted as dropped
+                self.counters.add(dropped_saves=len(self._queue))
+                for item in self._queue:
+                    self._pending.pop(item.key, None)
+                    self._queued_bytes -= item.nbytes
+                self._queue.clear()
             self._closed = True
             self._cv.notify_all()
         if self._writer.is_alive():
