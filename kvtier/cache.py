@@ -33,7 +33,8 @@ from kvtier.keys import (
     as_token_array,
     chain_seed,
     chunk_keys,
-    partial_candidates,
+    match_prefix,
+    ranked_chunk_keys,
 )
 from kvtier.store import ChunkStore
 
@@ -85,17 +86,11 @@ class KVCache:
     def match(self, tokens: Sequence[int] | np.ndarray, extras: RequestExtras = NO_EXTRAS) -> list[ChunkRef]:
         """The stored chunks covering the longest cached prefix of ``tokens``, in order."""
         arr = as_token_array(tokens)
-        seed = self._seed(extras)
-        full = chunk_keys(arr, seed, self.namespace.chunk_tokens, None)
-        n = self.store.count_present_prefix([c.key for c in full])
-        hits = full[:n]
-        parent = hits[-1].key if hits else seed
-        start = hits[-1].end if hits else 0
-        for cand in partial_candidates(arr, parent, start, self.namespace.chunk_tokens, self.tail_granularity):
-            if self.store.count_present_prefix([cand.key]):
-                hits.append(cand)
-                break
-        return hits
+        seeds = (self._seed(extras),)
+        full = ranked_chunk_keys(arr, seeds, self.namespace.chunk_tokens, None)
+        hits = match_prefix(arr, seeds, full, self.namespace.chunk_tokens, self.tail_granularity,
+                            lambda cs: self.store.count_present_prefix([c.keys[0] for c in cs]))
+        return [ChunkRef(h.keys[0], h.start, h.end) for h in hits]
 
     # -- operations ----------------------------------------------------------------
     def save(self, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,

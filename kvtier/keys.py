@@ -13,7 +13,7 @@ import array
 import hashlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -187,3 +187,40 @@ def partial_candidates(
         ChunkRef(child_key(parent, tokens[start : start + n]), start, start + n)
         for n in range(longest, 0, -granularity)
     ]
+
+
+class RankedChunk(NamedTuple):
+    """A chunk with one key per namespace (e.g. per tensor-parallel rank) over the same tokens."""
+
+    start: int
+    end: int
+    keys: tuple[bytes, ...]
+
+
+def ranked_chunk_keys(tokens: np.ndarray, seeds: Sequence[bytes], chunk_tokens: int,
+                      tail_granularity: int | None = None) -> list[RankedChunk]:
+    """:func:`chunk_keys` for several seeds at once, zipped chunk by chunk."""
+    per_seed = [chunk_keys(tokens, s, chunk_tokens, tail_granularity) for s in seeds]
+    return [RankedChunk(refs[0].start, refs[0].end, tuple(r.key for r in refs))
+            for refs in zip(*per_seed, strict=True)]
+
+
+def match_prefix(tokens: np.ndarray, seeds: Sequence[bytes], full: list[RankedChunk],
+                 chunk_tokens: int, granularity: int | None,
+                 present: Callable[[list[RankedChunk]], int]) -> list[RankedChunk]:
+    """The stored chunks covering the longest cached prefix of ``tokens``.
+
+    ``full`` are the sequence's full chunks; ``present`` says how many leading chunks of a
+    list are stored (for every key of each). After the longest run of full chunks, the
+    partial chunks that may follow it are tried longest first (when ``granularity`` is set).
+    """
+    hits = full[: present(full)]
+    if granularity:
+        start = hits[-1].end if hits else 0
+        parents = hits[-1].keys if hits else tuple(seeds)
+        per_seed = [partial_candidates(tokens, p, start, chunk_tokens, granularity) for p in parents]
+        for cands in zip(*per_seed, strict=True):
+            cand = RankedChunk(cands[0].start, cands[0].end, tuple(c.key for c in cands))
+            if present([cand]):
+                return [*hits, cand]
+    return hits

@@ -245,9 +245,6 @@ class ChunkStore:
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
             return n
 
-    def in_host(self, key: bytes) -> bool:
-        return key in self.host or key in self._pending
-
     def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Load a chunk (into ``out`` if given). None on a miss, a corrupt or incompatible
         record, or an I/O error — never an exception for a storage fault."""

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from kvtier.keys import (
-    ChunkRef,
     Namespace,
+    RankedChunk,
     RequestExtras,
     as_token_array,
     chain_seed,
-    chunk_keys,
-    partial_candidates,
+    match_prefix,
+    ranked_chunk_keys,
 )
 from kvtier.store import ChunkStore
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
@@ -30,22 +30,19 @@ log = logging.getLogger("kvtier")
 
 
 @dataclass
-class _Chunk:
-    start: int
-    end: int
-    keys: tuple[bytes, ...]  # per rank
-
-
-@dataclass
 class _Request:
     tokens: np.ndarray
     extras: RequestExtras
     seeds: tuple[bytes, ...]
-    full: list[_Chunk]
-    to_save: list[_Chunk]
+    to_save: list[RankedChunk]  # the full chunks, then the partial tail (if saved)
+    n_full: int
     next_save: int = 0
     block_ids: list[int] = field(default_factory=list)
     loads_started: int = 0
+
+    @property
+    def full(self) -> list[RankedChunk]:
+        return self.to_save[: self.n_full]
 
 
 class SchedulerSide:
@@ -61,7 +58,7 @@ class SchedulerSide:
         self.load_async = load_async
         self._reqs: dict[str, _Request] = {}
         # req -> (local hit in tokens, [(chunk, tokens of it to load)])
-        self._plans: dict[str, tuple[int, list[tuple[_Chunk, int]]]] = {}
+        self._plans: dict[str, tuple[int, list[tuple[RankedChunk, int]]]] = {}
         self._loads: list[LoadSpec] = []
         self.lookups = 0
         self.hit_tokens = 0
@@ -76,16 +73,13 @@ class SchedulerSide:
             return None  # inputs kvtier cannot key: never cached
         tokens = as_token_array(request.prompt_token_ids)
         seeds = tuple(chain_seed(ns, extras) for ns in self.namespaces)
-        per_rank = [chunk_keys(tokens, s, self.chunk_tokens,
-                               self.block_size if self.save_partial else None) for s in seeds]
-        chunks = [_Chunk(refs[0].start, refs[0].end, tuple(r.key for r in refs))
-                  for refs in zip(*per_rank, strict=True)]
-        n_full = len(tokens) // self.chunk_tokens
-        st = _Request(tokens, extras, seeds, chunks[:n_full], chunks)
+        chunks = ranked_chunk_keys(tokens, seeds, self.chunk_tokens,
+                                   self.block_size if self.save_partial else None)
+        st = _Request(tokens, extras, seeds, chunks, len(tokens) // self.chunk_tokens)
         self._reqs[request.request_id] = st
         return st
 
-    def _present(self, chunks: list[_Chunk]) -> int:
+    def _present(self, chunks: list[RankedChunk]) -> int:
         n = len(chunks)
         for rank in range(len(self.namespaces)):
             if n == 0:
@@ -93,21 +87,9 @@ class SchedulerSide:
             n = self.store.count_present_prefix([c.keys[rank] for c in chunks[:n]])
         return n
 
-    def _match(self, st: _Request) -> list[_Chunk]:
-        n = self._present(st.full)
-        hits = st.full[:n]
-        if self.save_partial:
-            start = hits[-1].end if hits else 0
-            parents = hits[-1].keys if hits else st.seeds
-            per_rank: list[list[ChunkRef]] = [
-                partial_candidates(st.tokens, parents[r], start, self.chunk_tokens, self.block_size)
-                for r in range(len(self.namespaces))]
-            for cands in zip(*per_rank, strict=True):
-                cand = _Chunk(cands[0].start, cands[0].end, tuple(c.key for c in cands))
-                if self._present([cand]):
-                    hits.append(cand)
-                    break
-        return hits
+    def _match(self, st: _Request) -> list[RankedChunk]:
+        return match_prefix(st.tokens, st.seeds, st.full, self.chunk_tokens,
+                            self.block_size if self.save_partial else None, self._present)
 
     # -- vLLM calls --------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:

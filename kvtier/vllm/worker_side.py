@@ -11,7 +11,6 @@ reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -51,39 +50,37 @@ class WorkerSide:
         self.namespace = namespace
         self.rank = namespace.tp_rank
         self.block_size = block_size
-        layers, _, self.heads, self.head_dim = namespace.kv_shape
+        _, _, self.heads, self.head_dim = namespace.kv_shape
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.views = [blocks_view(kv_caches[n], content, self.head_dim) for n in layer_names]
         self.dtype = kv_caches[layer_names[0]].dtype
         self.copies = CopyStream(kv_caches[layer_names[0]].device)
-        self._staged: dict[str, list[_Staged]] = {}
+        self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
         self._loads: dict[str, Future[_LoadResult]] = {}
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
-        self._lock = threading.Lock()
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, float] = {}  # only touched on the model's thread
         self._last_log = time.monotonic()
         self._last_counters = store.counters.snapshot()
 
     def _bump(self, **deltas: float) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self.stats[k] = self.stats.get(k, 0) + v
+        for k, v in deltas.items():
+            self.stats[k] = self.stats.get(k, 0) + v
 
     # -- saves ---------------------------------------------------------------------
     def save_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
         li = self.layer_index.get(layer_name)
         if li is None or not meta.saves:
             return
-        if "step" not in self._staged:
-            self._prepare_saves(meta)
+        if self._staged is None:
+            self._staged = self._prepare_saves(meta)
         with self.copies.after_compute():
-            for staged in self._staged.get("step", []):
+            for staged in self._staged:
                 if staged.buf is not None:
                     gather_blocks(self.views[li], staged.spec.block_ids, staged.buf[li],
                                   non_blocking=self.copies.non_blocking)
 
-    def _prepare_saves(self, meta: KVTierMetadata) -> None:
+    def _prepare_saves(self, meta: KVTierMetadata) -> list[_Staged]:
         staged = []
         for spec in meta.saves:
             key = spec.keys[self.rank]
@@ -92,10 +89,10 @@ class WorkerSide:
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
             staged.append(_Staged(spec, host_empty(shape, self.dtype)))
-        self._staged["step"] = staged
+        return staged
 
     def finish_saves(self) -> None:
-        staged = self._staged.pop("step", [])
+        staged, self._staged = self._staged, None
         if not staged:
             return
         self.copies.synchronize()
@@ -202,8 +199,7 @@ class WorkerSide:
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call: the connector's own plus the store's deltas."""
         now = self.store.counters.snapshot()
-        with self._lock:
-            out, self.stats = self.stats, {}
+        out, self.stats = self.stats, {}
         for k, v in now.items():
             d = v - self._last_counters.get(k, 0)
             if d:

@@ -52,3 +52,23 @@ def test_failed_open_leaks_no_threads_or_lock(tmp_path: Path) -> None:
     from kvtier.backends import StoreLock
 
     StoreLock(tmp_path / "s", exclusive=True).release()
+
+
+def test_prefetch_and_async_loads(tmp_path: Path) -> None:
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=64)
+    chunks = {bytes([i]) * 32: torch.full((1, 2, 64, 1, 8), float(i), dtype=torch.bfloat16) for i in range(1, 5)}
+    with ChunkStore(cfg) as store:
+        for k, t in chunks.items():
+            store.put(k, t.clone(), namespace_id=b"n" * 16, token_start=0, num_tokens=64)
+    with ChunkStore(cfg) as store:  # a restart: nothing in host memory yet
+        keys = list(chunks)
+        got = store.get_async([*keys[:2], b"\xff" * 32]).result(10)
+        assert [g is not None and torch.equal(g, chunks[k]) for g, k in zip(got[:2], keys[:2], strict=True)] == [True, True]
+        assert got[2] is None
+        assert store.prefetch(keys[2:]).result(10) == 2
+        before = store.counters.snapshot()
+        for k in keys[2:]:
+            assert torch.equal(store.get(k), chunks[k])
+        after = store.counters.snapshot()
+        assert after["hits_host"] - before["hits_host"] == 2  # served from memory, as prefetched
+        assert after["hits_disk"] == before["hits_disk"]
