@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -115,6 +115,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse's signature says NoReturn
         sys.stderr.write(f"kvtier: error: {message} (see '{self.prog} --help')\n")
         raise SystemExit(2)
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, *, help: str,
+                description: str, epilog: str, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """A subcommand's parser, with its examples epilog, the STORE argument and ``run`` set;
+    the caller adds its own options, then :func:`add_json_arg` (so --json is listed last)."""
+    p = sub.add_parser(name, help=help, description=description, epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_store_arg(p)
+    p.set_defaults(func=run)
+    return p
 
 
 def add_store_arg(p: argparse.ArgumentParser) -> None:

@@ -27,13 +27,13 @@ from kvtier.codec import RecordHeader, decode_header, verify_payload
 from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError, StoreError
 from kvtier.keys import KEY_BYTES, Namespace
-from kvtier.units import parse_size
 
 # Enough for any header: fixed part + 8 dims * 8 bytes + header checksum (< 256 bytes).
 _HEADER_READ = 512
 _HEADER_LEN_AT = struct.Struct("<8sHH")  # magic, format_version, header_len
-# The store's default limit (its config is not recorded in the store).
-MAX_RECORD_BYTES = parse_size(CacheConfig.__dataclass_fields__["max_record_bytes"].default)
+# What a record can fail with when read: classified by :func:`problem`.
+RECORD_PROBLEMS = (RecordError, OSError)
+BATCH = 256  # keys per delete: keeps each LMDB write transaction short
 
 
 @dataclass
@@ -41,7 +41,6 @@ class OpenStore:
     root: Path
     marker: dict[str, object]
     backend: Backend
-    config: CacheConfig
 
     @property
     def backend_name(self) -> str:
@@ -52,22 +51,22 @@ def store_root(path: str) -> Path:
     return Path(path).expanduser()
 
 
-def store_config(root: Path) -> tuple[dict[str, object], CacheConfig]:
-    """The store's marker (checked) and a config whose backend is the one it was created with."""
-    marker = read_marker(root)
-    return marker, CacheConfig(path=root, backend=str(marker["backend"]))
-
-
 @contextmanager
-def open_store(path: str, *, write: bool = False) -> Iterator[OpenStore]:
-    """Open an existing store; refuse with advice if it is missing, foreign or too new."""
+def open_store(path: str, *, write: bool = False, exclusive: bool = False) -> Iterator[OpenStore]:
+    """Open an existing store; refuse with advice if it is missing, foreign or too new.
+
+    The store lock is shared (beside a server) unless ``exclusive``, which refuses
+    (:class:`StoreError`) while anyone else has the store open.
+    """
     root = store_root(path)
-    marker, config = store_config(root)
-    lock = StoreLock(root, exclusive=False)
+    marker = read_marker(root)
+    # The store's config is not recorded in it: defaults, with the backend it was created with.
+    config = CacheConfig(path=root, backend=str(marker["backend"]))
+    lock = StoreLock(root, exclusive=exclusive)
     try:
         backend = open_backend(config, readonly=not write, create=False)
         try:
-            yield OpenStore(root, marker, backend, config)
+            yield OpenStore(root, marker, backend)
         finally:
             backend.close()
     finally:
@@ -77,6 +76,11 @@ def open_store(path: str, *, write: bool = False) -> Iterator[OpenStore]:
 def snapshot(backend: Backend) -> list[EntryInfo]:
     """Every record's metadata, read in one short pass (one LMDB read transaction)."""
     return list(backend.entries())
+
+
+def delete_in_batches(backend: Backend, keys: list[bytes]) -> int:
+    """Delete ``keys`` in short write transactions; the record bytes freed."""
+    return sum(backend.delete(keys[i : i + BATCH]) for i in range(0, len(keys), BATCH))
 
 
 # -- headers and checks ---------------------------------------------------------------
@@ -91,20 +95,35 @@ def record_file(backend: Backend, key: bytes) -> Path | None:
     return p if isinstance(p, Path) else None
 
 
+def _max_record_bytes(backend: Backend) -> int:
+    """The store's record size limit (a size string parsed to bytes by ``CacheConfig``)."""
+    return int(backend.config.max_record_bytes)
+
+
 def _check_identity(header: RecordHeader, key: bytes) -> RecordHeader:
     if header.key != key:
         raise RecordError("record is filed under another key than the one in its header")
     return header
 
 
-def parse_header(head: bytes | memoryview, record_len: int, key: bytes) -> RecordHeader:
+def problem(exc: Exception) -> tuple[str, str]:
+    """``(kind, why)`` of one of :data:`RECORD_PROBLEMS`: kind is incompatible (another
+    format version, intact), corrupt or unreadable."""
+    if isinstance(exc, IncompatibleRecord):
+        return "incompatible", str(exc)
+    if isinstance(exc, RecordError):
+        return "corrupt", str(exc)
+    return "unreadable", str(getattr(exc, "strerror", None) or exc)
+
+
+def parse_header(head: bytes | memoryview, record_len: int, key: bytes, max_record_bytes: int) -> RecordHeader:
     """Check the header at the start of a record of ``record_len`` bytes."""
     mv = memoryview(head).cast("B")
     if len(mv) < _HEADER_LEN_AT.size:
         raise RecordError(f"record too short for a header ({len(mv)} bytes)")
     header_len = _HEADER_LEN_AT.unpack_from(mv, 0)[2]
     header = decode_header(mv[:header_len] if header_len <= len(mv) else mv,
-                           max_record_bytes=MAX_RECORD_BYTES)
+                           max_record_bytes=max_record_bytes)
     if header.record_len != record_len:
         raise RecordError(f"record is {record_len} bytes, header says {header.record_len} (truncated?)")
     return _check_identity(header, key)
@@ -115,6 +134,7 @@ def read_header(backend: Backend, key: bytes) -> RecordHeader | None:
 
     Raises :class:`RecordError` for a malformed header, ``OSError`` if unreadable.
     """
+    limit = _max_record_bytes(backend)
     path = record_file(backend, key)
     if path is not None:
         try:
@@ -123,9 +143,8 @@ def read_header(backend: Backend, key: bytes) -> RecordHeader | None:
                 size = os.fstat(f.fileno()).st_size
         except FileNotFoundError:
             return None
-        return parse_header(head, size, key)
-    return backend.read(key, lambda view: _check_identity(
-        decode_header(view, max_record_bytes=MAX_RECORD_BYTES), key))
+        return parse_header(head, size, key, limit)
+    return backend.read(key, lambda view: _check_identity(decode_header(view, max_record_bytes=limit), key))
 
 
 def check_record(backend: Backend, key: bytes) -> RecordHeader | None:
@@ -135,7 +154,7 @@ def check_record(backend: Backend, key: bytes) -> RecordHeader | None:
     version, intact) or ``OSError`` (unreadable).
     """
     def check(view: memoryview) -> RecordHeader:
-        header = _check_identity(decode_header(view, max_record_bytes=MAX_RECORD_BYTES), key)
+        header = _check_identity(decode_header(view, max_record_bytes=_max_record_bytes(backend)), key)
         verify_payload(header, view)
         return header
 
@@ -156,14 +175,8 @@ def scan_headers(backend: Backend, entries: Iterable[EntryInfo]) -> HeaderScan:
     for e in entries:
         try:
             h = read_header(backend, e.key)
-        except IncompatibleRecord as exc:
-            out.bad[e.key] = f"incompatible: {exc}"
-            continue
-        except RecordError as exc:
-            out.bad[e.key] = f"corrupt: {exc}"
-            continue
-        except OSError as exc:
-            out.bad[e.key] = f"unreadable: {exc.strerror or exc}"
+        except RECORD_PROBLEMS as exc:
+            out.bad[e.key] = "{}: {}".format(*problem(exc))
             continue
         if h is None:
             out.vanished += 1
@@ -182,6 +195,11 @@ def parse_hex(text: str, what: str) -> str:
     return h
 
 
+def _ambiguous(what: str, prefix: str, hits: list[bytes], noun: str, digits: int) -> UsageError:
+    return UsageError(f"{what} prefix {prefix!r} is ambiguous ({len(hits)} {noun}: "
+                      f"{', '.join(h.hex()[:digits] for h in hits[:4])}...); give more hex digits")
+
+
 def resolve_namespaces(
     root: Path,
     known: Iterable[bytes],
@@ -198,9 +216,7 @@ def resolve_namespaces(
         if not hits:
             raise UsageError(f"unknown namespace {text!r} in {root}; 'kvtier ls {root}' lists its namespaces")
         if len(hits) > 1:
-            raise UsageError(
-                f"namespace prefix {text!r} is ambiguous ({len(hits)} match: "
-                f"{', '.join(h.hex()[:12] for h in hits[:4])}...); give more hex digits")
+            raise _ambiguous("namespace", text, hits, "match", 12)
         chosen.add(hits[0])
     for model in models or []:
         hits = [i for i, d in descriptions.items() if d.get("model") == model]
@@ -228,20 +244,18 @@ def namespace_from_description(desc: dict[str, object]) -> Namespace:
         raise StoreError(f"namespace description cannot be read ({exc}); was it written by another kvtier?") from None
 
 
-def find_key(backend: Backend, entries: list[EntryInfo] | None, text: str) -> bytes:
-    """A full key or a unique hex prefix of one -> the key."""
+def find_key(entries: list[EntryInfo] | None, text: str) -> bytes:
+    """A full key or a unique hex prefix of one (looked up in ``entries``) -> the key."""
     h = parse_hex(text, "key")
     if len(h) > 2 * KEY_BYTES:
         raise UsageError(f"key {text!r} is longer than a key ({2 * KEY_BYTES} hex digits)")
     if len(h) == 2 * KEY_BYTES:
         return bytes.fromhex(h)
-    hits = [e.key for e in (entries if entries is not None else snapshot(backend)) if e.key.hex().startswith(h)]
+    hits = [e.key for e in entries or () if e.key.hex().startswith(h)]
     if not hits:
         raise NotFoundError(f"no record whose key starts with {h!r}; 'kvtier inspect --help' shows how to find keys")
     if len(hits) > 1:
-        raise UsageError(
-            f"key prefix {h!r} is ambiguous ({len(hits)} records: "
-            f"{', '.join(k.hex()[:16] for k in hits[:4])}...); give more hex digits")
+        raise _ambiguous("key", h, hits, "records", 16)
     return hits[0]
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 from rich.markup import escape
 
-from kvtier.backends import StoreLock, open_backend
-from kvtier.cli._common import add_json_arg, add_store_arg, line, print_json, size, stdout_console
-from kvtier.cli._store import store_config, store_root
+from kvtier.backends import read_marker
+from kvtier.cli._common import add_command, add_json_arg, line, print_json, size, stdout_console
+from kvtier.cli._store import open_store, store_root
 
 EPILOG = """\
 example:
@@ -24,34 +24,26 @@ deleted record's space is already free: nothing to compact (reports 0 B).
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "compact", help="shrink an LMDB store's file (the store must not be in use)",
+    p = add_command(
+        sub, "compact", help="shrink an LMDB store's file (the store must not be in use)",
         description="Rewrite an LMDB store's data file without free pages.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arg(p)
+        epilog=EPILOG, run=run)
     add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     root = store_root(args.store)
-    marker, config = store_config(root)
+    marker = read_marker(root)
     out: dict[str, Any] = {"store": str(root), "backend": marker["backend"]}
     if marker["backend"] != "lmdb":
         out.update(reclaimed_bytes=0, note="files backend: each record is its own file; nothing to compact")
     else:
-        lock = StoreLock(root, exclusive=True)  # refuses (StoreError) if anyone has the store open
-        try:
+        # exclusive: refuses (StoreError) if anyone has the store open
+        with open_store(args.store, write=True, exclusive=True) as st:
             data = root / "lmdb" / "data.mdb"
             before = data.stat().st_size
-            backend = open_backend(config, readonly=False, create=False)
-            try:
-                reclaimed = backend.compact()
-            finally:
-                backend.close()
-            out.update(before_bytes=before, after_bytes=data.stat().st_size, reclaimed_bytes=reclaimed)
-        finally:
-            lock.release()
+            reclaimed = st.backend.compact()
+        out.update(before_bytes=before, after_bytes=data.stat().st_size, reclaimed_bytes=reclaimed)
     if args.json:
         print_json(out)
         return 0

@@ -13,8 +13,8 @@ from rich.table import Table
 from kvtier.backends import EntryInfo
 from kvtier.cli._common import (
     UsageError,
+    add_command,
     add_json_arg,
-    add_store_arg,
     ago,
     line,
     print_json,
@@ -22,7 +22,7 @@ from kvtier.cli._common import (
     size,
     stdout_console,
 )
-from kvtier.cli._store import open_store, resolve_namespaces, snapshot
+from kvtier.cli._store import delete_in_batches, open_store, resolve_namespaces, snapshot
 from kvtier.units import format_age, parse_age, parse_size
 
 EPILOG = """\
@@ -45,15 +45,11 @@ tenant's chunks can never be loaded for another. To remove a tenant's data, evic
 namespace/model or age, or give tenants separate stores.
 """
 
-BATCH = 256  # keys per delete: keeps each LMDB write transaction short
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "evict", help="remove chunks by size budget, age, namespace or model (LRU order; --dry-run)",
+    p = add_command(
+        sub, "evict", help="remove chunks by size budget, age, namespace or model (LRU order; --dry-run)",
         description="Remove chunks, least recently used first.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arg(p)
+        epilog=EPILOG, run=run)
     p.add_argument("--max-bytes", metavar="SIZE", help="evict LRU chunks until at most SIZE remain (e.g. 50G, 512M)")
     p.add_argument("--older-than", metavar="AGE", help="evict chunks not used for AGE (e.g. 90m, 12h, 7d, 2w)")
     p.add_argument("--all", action="store_true", help="evict every chunk (of the chosen namespaces/models)")
@@ -62,7 +58,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model", metavar="NAME", action="append", help="only namespaces of this model; repeatable")
     p.add_argument("--dry-run", action="store_true", help="show what would be removed; remove nothing")
     add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def choose(entries: list[EntryInfo], *, max_bytes: int | None, older_than: float | None,
@@ -103,13 +98,8 @@ def run(args: argparse.Namespace) -> int:
                                     args.namespace, args.model)
         selected = [e for e in entries if not chosen or e.namespace_id in chosen]
         victims = choose(selected, max_bytes=max_bytes, older_than=older, everything=args.all, now=now)
-        freed = 0
-        removed = 0
-        if not args.dry_run:
-            keys = [e.key for e in victims]
-            for i in range(0, len(keys), BATCH):
-                freed += st.backend.delete(keys[i : i + BATCH])
-                removed += len(keys[i : i + BATCH])
+        freed = 0 if args.dry_run else delete_in_batches(st.backend, [e.key for e in victims])
+        removed = 0 if args.dry_run else len(victims)
         root = str(st.root)
     victim_bytes = sum(e.size for e in victims)
     store_bytes = sum(e.size for e in entries)

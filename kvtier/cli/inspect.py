@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -19,8 +20,8 @@ from kvtier.backends import Backend, EntryInfo
 from kvtier.cli._common import (
     NotFoundError,
     UsageError,
+    add_command,
     add_json_arg,
-    add_store_arg,
     ago,
     line,
     print_json,
@@ -31,18 +32,28 @@ from kvtier.cli._common import (
     ts_seconds,
 )
 from kvtier.cli._store import (
+    RECORD_PROBLEMS,
     check_record,
     find_key,
     namespace_from_description,
     open_store,
+    parse_hex,
+    problem,
     read_header,
     record_file,
     resolve_namespaces,
     snapshot,
 )
 from kvtier.codec import CODEC_NAMES, RecordHeader, dtype_name
-from kvtier.errors import IncompatibleRecord, RecordError, StoreError
-from kvtier.keys import RequestExtras, as_token_array, chain_seed, chunk_keys, partial_candidates
+from kvtier.errors import StoreError
+from kvtier.keys import (
+    KEY_BYTES,
+    RequestExtras,
+    as_token_array,
+    chain_seed,
+    chunk_keys,
+    partial_candidates,
+)
 
 EPILOG = """\
 examples:
@@ -59,12 +70,11 @@ chunks. Exit status 1 if a record inspected is corrupt.
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "inspect", help="show a record's header (shape, dtype, codec, sizes) and checksum status",
+    p = add_command(
+        sub, "inspect", help="show a record's header (shape, dtype, codec, sizes) and checksum status",
         description="Show one record's header and whether its checksum verifies, found by key "
                     "(or unique hex prefix) or by the token ids of a prompt.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arg(p)
+        epilog=EPILOG, run=run)
     p.add_argument("key", metavar="KEY", nargs="?", help="a record key in hex, or a unique prefix of one")
     p.add_argument("--tokens", metavar="FILE", help="find the chunks of these token ids instead of a key")
     p.add_argument("--namespace", metavar="HEXPREFIX", help="with --tokens: the namespace (see 'kvtier ls')")
@@ -72,7 +82,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--salt", metavar="SALT", help="with --tokens: the request's cache_salt")
     p.add_argument("--lora", metavar="NAME", help="with --tokens: the request's LoRA adapter")
     add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,16 +115,13 @@ def _examine(backend: Backend, key: bytes) -> tuple[RecordHeader | None, str]:
     """``(header if readable, status)``; status is ``ok``, ``corrupt: ...`` etc."""
     try:
         header = check_record(backend, key)
-    except IncompatibleRecord as exc:
-        return None, f"incompatible: {exc}"
-    except RecordError as exc:
-        try:
-            header = read_header(backend, key)  # the header may be fine and the payload not
-        except (RecordError, OSError):
-            header = None
-        return header, f"corrupt: {exc}"
-    except OSError as exc:
-        return None, f"unreadable: {exc.strerror or exc}"
+    except RECORD_PROBLEMS as exc:
+        kind, why = problem(exc)
+        header = None
+        if kind == "corrupt":
+            with contextlib.suppress(*RECORD_PROBLEMS):
+                header = read_header(backend, key)  # the header may be fine and the payload not
+        return header, f"{kind}: {why}"
     if header is None:
         return None, "missing"
     return header, "ok"
@@ -135,9 +141,9 @@ def _header_json(h: RecordHeader) -> dict[str, Any]:
 
 def _run_key(args: argparse.Namespace) -> int:
     with open_store(args.store) as st:
-        full = len(args.key.strip().lower().removeprefix("0x")) == 64
-        entries = None if full else snapshot(st.backend)
-        key = find_key(st.backend, entries, args.key)
+        full = len(parse_hex(args.key, "key")) == 2 * KEY_BYTES
+        entries = None if full else snapshot(st.backend)  # a prefix: found among all keys
+        key = find_key(entries, args.key)
         header, status = _examine(st.backend, key)
         entry = _entry_of(st.backend, key, entries)
         namespaces = st.backend.namespaces()

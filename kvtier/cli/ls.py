@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtier.cli._common import (
+    add_command,
     add_json_arg,
-    add_store_arg,
     ago,
     line,
     print_json,
@@ -72,13 +72,11 @@ class NsRow:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "ls", help="list the namespaces (model, dtype, TP rank...) in a store with counts and ages",
+    p = add_command(
+        sub, "ls", help="list the namespaces (model, dtype, TP rank...) in a store with counts and ages",
         description="List the namespaces of a store: chunk counts, tokens, bytes, and ages.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arg(p)
+        epilog=EPILOG, run=run)
     add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def collect(store_path: str) -> tuple[str, str, list[NsRow]]:

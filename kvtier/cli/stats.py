@@ -12,8 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtier.cli._common import (
+    add_command,
     add_json_arg,
-    add_store_arg,
     ago,
     print_json,
     ratio,
@@ -41,15 +41,13 @@ does not persist them, so they are not shown here.
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "stats", help="totals, on-disk size, compression ratio, free disk and budget use",
+    p = add_command(
+        sub, "stats", help="totals, on-disk size, compression ratio, free disk and budget use",
         description="Summarise a store: records, tokens, bytes, files on disk, compression, free disk.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arg(p)
+        epilog=EPILOG, run=run)
     p.add_argument("--budget", metavar="SIZE",
                    help="the store's disk_bytes setting (e.g. 64G), to show how full it is")
     add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def collect(store_path: str, budget: int | None) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from kvtier.backends import Backend
 from kvtier.cli._common import (
+    add_command,
     add_json_arg,
-    add_store_arg,
     line,
     print_json,
     progress,
@@ -21,8 +21,14 @@ from kvtier.cli._common import (
     size,
     stdout_console,
 )
-from kvtier.cli._store import check_record, open_store, snapshot
-from kvtier.errors import IncompatibleRecord, RecordError
+from kvtier.cli._store import (
+    RECORD_PROBLEMS,
+    check_record,
+    delete_in_batches,
+    open_store,
+    problem,
+    snapshot,
+)
 
 EPILOG = """\
 examples:
@@ -46,7 +52,6 @@ SHOW = 50
 
 @dataclass
 class Report:
-    checked: int = 0
     ok: int = 0
     bytes_checked: int = 0
     gone: int = 0
@@ -57,29 +62,28 @@ class Report:
     removed_bytes: int = 0
     seconds: float = 0.0
 
+    @property
+    def checked(self) -> int:
+        """Records read (all but those gone meanwhile)."""
+        return self.ok + len(self.corrupt) + len(self.incompatible) + len(self.unreadable)
+
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "verify", help="check every record's checksum; exit status 1 if corruption is found",
+    p = add_command(
+        sub, "verify", help="check every record's checksum; exit status 1 if corruption is found",
         description="Check every record's checksum (with a progress bar on a terminal).",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arg(p)
+        epilog=EPILOG, run=run)
     p.add_argument("--remove-corrupt", action="store_true",
                    help="delete the corrupt records found (opens the store for writing)")
     add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def _status(backend: Backend, key: bytes) -> tuple[str, str, int]:
     """``(kind, why, record bytes)`` with kind ok, gone, corrupt, incompatible or unreadable."""
     try:
         header = check_record(backend, key)
-    except IncompatibleRecord as exc:
-        return "incompatible", str(exc), 0
-    except RecordError as exc:
-        return "corrupt", str(exc), 0
-    except OSError as exc:
-        return "unreadable", str(exc.strerror or exc), 0
+    except RECORD_PROBLEMS as exc:
+        return (*problem(exc), 0)
     if header is None:
         return "gone", "", 0
     return "ok", "", header.record_len
@@ -94,7 +98,6 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
             task = bar.add_task("verify", total=len(entries))
             for e in entries:
                 kind, why, nbytes = _status(st.backend, e.key)
-                rep.checked += kind != "gone"
                 if kind == "ok":
                     rep.ok += 1
                     rep.bytes_checked += nbytes
@@ -107,8 +110,7 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
         if remove and rep.corrupt:
             # Check again just before deleting: a writer may have replaced the record since.
             still = [k for k in rep.corrupt if _status(st.backend, k)[0] == "corrupt"]
-            for i in range(0, len(still), 256):  # short write transactions
-                rep.removed_bytes += st.backend.delete(still[i : i + 256])
+            rep.removed_bytes = delete_in_batches(st.backend, still)
             rep.removed = len(still)
     rep.seconds = time.monotonic() - start
     return rep

@@ -44,7 +44,8 @@ def test_verify_finds_and_removes_corruption(fresh_store: Built, capsys: pytest.
     assert bad_payload.hex()[:16] in ver.stdout and bad_header.hex()[:16] in ver.stdout
     assert "payload checksum mismatch" in ver.stdout and "header checksum mismatch" in ver.stdout
     assert "--remove-corrupt" in ver.stdout
-    assert len(entries(b.path, b.backend)) == b.total_chunks  # nothing removed without the flag
+    present = entries(b.path, b.backend)
+    assert len(present) == b.total_chunks  # nothing removed without the flag
 
     ins = run_main(capsys, "inspect", b.path, bad_payload.hex(), "--json")
     assert ins.returncode == 1
@@ -55,7 +56,8 @@ def test_verify_finds_and_removes_corruption(fresh_store: Built, capsys: pytest.
     assert rm.returncode == 1, rm.stderr  # corruption was found (and removed)
     rep = json.loads(rm.stdout)
     assert {c["key"] for c in rep["corrupt"]} == {bad_payload.hex(), bad_header.hex()}
-    assert rep["removed"] == 2 and rep["removed_bytes"] > 0
+    assert rep["removed"] == 2
+    assert rep["removed_bytes"] == present[bad_payload][0] + present[bad_header][0]
     assert rep["ok"] == b.total_chunks - 2
     left = entries(b.path, b.backend)
     assert bad_payload not in left and bad_header not in left
@@ -86,6 +88,14 @@ def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
     dry = cli("evict", b.path, "--max-bytes", budget, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "would remove" in dry.stdout and "nothing was removed" in dry.stdout
+    total, would_go = sum(sizes.values()), 0  # --max-bytes alone: LRU first down to the budget
+    for k in sorted(keys, key=lambda k: times[k]):
+        if total <= budget:
+            break
+        total -= sizes[k]
+        would_go += 1
+    assert 0 < would_go < len(keys)
+    assert f"would remove {would_go} of {len(keys)} chunks" in dry.stdout, dry.stdout
     dry_all = run_main(capsys, "evict", b.path, "--all", "--dry-run", "--json")
     d = json.loads(dry_all.stdout)
     assert d["dry_run"] and d["evict"]["records"] == len(keys) and d["removed"]["records"] == 0
