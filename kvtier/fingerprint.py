@@ -18,7 +18,9 @@ import xxhash
 from kvtier.backends.base import write_json_atomic
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
-EXTRA_FILES = ("config.json", "params.json")
+# Files that are not weights but change what the weights compute (LoRA's rank/alpha/targets
+# live in adapter_config.json).
+EXTRA_FILES = ("config.json", "params.json", "adapter_config.json")
 _READ = 8 << 20
 
 
@@ -37,13 +39,17 @@ def _file_digest(path: Path, buf: bytearray) -> str:
 def weights_fingerprint(model_dir: str | Path, cache_file: Path | None = None) -> str:
     """Fingerprint of the weight files under ``model_dir`` (recursively); ``sha256:<hex>``.
 
-    Raises ``FileNotFoundError`` if the directory holds no weight files.
+    ``model_dir`` may also be a single weight file (a ``.gguf`` checkpoint). Raises
+    ``FileNotFoundError`` if there are no weight files.
     """
     root = Path(model_dir)
-    files = sorted(
-        p for p in root.rglob("*")
-        if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in EXTRA_FILES)
-    )
+    if root.is_file():
+        files, root = [root], root.parent
+    else:
+        files = sorted(
+            p for p in root.rglob("*")
+            if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in EXTRA_FILES)
+        )
     if not any(p.suffix in WEIGHT_SUFFIXES for p in files):
         raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) under {root}")
     cache: dict[str, dict[str, object]] = {}
@@ -75,13 +81,22 @@ def weights_fingerprint(model_dir: str | Path, cache_file: Path | None = None) -
     return "sha256:" + combined.hexdigest()
 
 
-def resolve_model_dir(model: str, revision: str | None = None) -> Path | None:
-    """A local directory holding ``model``'s files: the path itself, or the local hub cache."""
-    if os.path.isdir(model):
-        return Path(model)
+def resolve_model_dir(model: str, revision: str | None = None,
+                      download_dir: str | None = None) -> Path | None:
+    """Where ``model``'s files are on this machine, without any download: the path itself
+    (a directory or a single checkpoint file), else its snapshot in the local hub cache
+    (``download_dir`` when the server was given one). None when neither exists.
+
+    A snapshot may hold only some files (a config fetched on its own); callers that need
+    weights check for them (``weights_fingerprint`` raises ``FileNotFoundError``).
+    """
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) or os.path.isfile(path):
+        return Path(path)
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+        return Path(snapshot_download(model, revision=revision, local_files_only=True,
+                                      cache_dir=download_dir))
     except Exception:
         return None

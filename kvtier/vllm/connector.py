@@ -4,7 +4,11 @@ One class serves both roles vLLM creates: the scheduler role (prefix lookups, lo
 plans; :mod:`kvtier.vllm.scheduler_side`) and the worker role (copies between paged blocks
 and chunks; :mod:`kvtier.vllm.worker_side`). When the model's KV is something kvtier does
 not handle (hybrid/mamba, MLA, sliding window, quantized KV, an unknown attention backend)
-the connector logs one line and turns itself off; the engine serves normally.
+the connector logs one line and turns itself off; the engine serves normally. The same
+happens for a vLLM version or an engine setting kvtier does not know (:mod:`kvtier.vllm.compat`),
+for weights it cannot fingerprint (:mod:`kvtier.vllm.identity`), and for any unexpected error
+while starting: a cache must never take the server down. Only a mistake in kvtier's own
+settings stops start-up, with a message naming the setting.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.store import ChunkStore
+from kvtier.vllm.compat import startup_problem
+from kvtier.vllm.identity import IdentityUnavailable, LoraFingerprints, model_fingerprint
 from kvtier.vllm.layout import BACKEND_CONTENT, UnsupportedLayout
 from kvtier.vllm.metadata import KVTierMetadata
-from kvtier.vllm.namespace import build_namespace, kv_geometry, model_fingerprint
+from kvtier.vllm.namespace import build_namespace, kv_geometry, model_identity
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
@@ -54,8 +59,17 @@ def _route_logs_through_vllm() -> None:
 _route_logs_through_vllm()
 
 
+def _cache_hit_source() -> Any:
+    """How vLLM's metrics label our hits (vLLM >= 0.31 has the enum; older ones ignore it)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return getattr(CacheHitSource, "DISK", None) or getattr(CacheHitSource, "HOST", None)
+
+
 class KVTierConnector(KVConnectorBase_V1):
-    _cache_hit_source = CacheHitSource.DISK if hasattr(CacheHitSource, "DISK") else CacheHitSource.HOST
+    _cache_hit_source = _cache_hit_source()
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -75,12 +89,28 @@ class KVTierConnector(KVConnectorBase_V1):
         self._orphan_loads: set[str] = set()
         self._orphan_blocks: set[int] = set()
 
+        try:
+            self._start(vllm_config, role, kv_cache_config)
+        except (KVTierError, OSError):
+            raise  # the user's settings or store path: they must see it and fix it
+        except IdentityUnavailable as exc:
+            self._close_store()
+            self._disable(str(exc))
+        except Exception as exc:  # never take the server down over a cache
+            self._close_store()
+            log.debug("kvtier: start-up failure", exc_info=True)
+            self._disable(f"unexpected error while starting ({type(exc).__name__}: {exc})")
+
+    def _start(self, vllm_config: VllmConfig, role: KVConnectorRole,
+               kv_cache_config: KVCacheConfig | None) -> None:
+        ktc = self._kv_transfer_config
+        problem = startup_problem(vllm_config)
+        if problem:
+            self._disable(problem)
+            return
         geometry, reason = kv_geometry(kv_cache_config)
         if geometry is None:
             self._disable(reason)
-            return
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            self._disable("pipeline parallelism (each stage would need its own namespace)")
             return
         if self.settings.cache.chunk_tokens % geometry.block_size:
             raise ConfigError(
@@ -95,20 +125,30 @@ class KVTierConnector(KVConnectorBase_V1):
                     f"{name}: {getattr(self.settings.cache, name)} bytes is smaller than one chunk of "
                     f"this model ({chunk_bytes} bytes); raise it or lower chunk_tokens")
         self._geometry = geometry
+        # Before the worker loads the model (which may touch the config): the scheduler and
+        # every worker must derive the same namespace.
+        self._identity = model_identity(vllm_config)
         # Open the store first: the weights-fingerprint cache lives inside it.
         self._store = ChunkStore(self.settings.cache)
-        self._fingerprint = model_fingerprint(vllm_config, self.settings)
+        fingerprints = self.settings.cache.path / "fingerprints.json"
+        self._fingerprint = model_fingerprint(vllm_config, self.settings.weights_fingerprint, fingerprints)
         if role == KVConnectorRole.SCHEDULER:
             tp = int(vllm_config.parallel_config.tensor_parallel_size)
-            namespaces = [build_namespace(vllm_config, geometry, self.settings, self._fingerprint, r)
-                          for r in range(tp)]
-            self._sched = SchedulerSide(self._store, namespaces, geometry.block_size,
+            namespaces = [build_namespace(vllm_config, geometry, self.settings, self._fingerprint,
+                                          self._identity, r) for r in range(tp)]
+            loras = LoraFingerprints(fingerprints, getattr(vllm_config.load_config, "download_dir", None))
+            self._sched = SchedulerSide(self._store, namespaces, geometry.block_size, loras,
                                         can_load=self._can_load, can_save=self._can_save,
                                         save_partial=self.settings.save_partial_chunks,
                                         load_async=self.settings.load_async)
             log.info("kvtier: connector on (%s, store %s, backend %s, namespace %s)",
                      ktc.kv_role, self.settings.cache.path, self.settings.cache.backend,
                      namespaces[0].id.hex())
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def _disable(self, reason: str) -> None:
         self.disabled_reason = reason
@@ -137,7 +177,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._disable_worker(f"attention backend {sorted(backends)} has a KV layout kvtier does not handle")
             return
         rank = get_tensor_model_parallel_rank()
-        ns = build_namespace(self._vllm_config, g, self.settings, self._fingerprint, rank)
+        ns = build_namespace(self._vllm_config, g, self.settings, self._fingerprint, self._identity, rank)
         try:
             self._worker = WorkerSide(self._store, ns, names, kv_caches, contents.pop(), g.block_size)
         except UnsupportedLayout as exc:
@@ -208,9 +248,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self._close_store()
 
     # ============================== scheduler side ==============================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.codec import dtype_name
-from kvtier.fingerprint import resolve_model_dir, weights_fingerprint
 from kvtier.keys import Namespace, RequestExtras
+from kvtier.vllm.identity import LoraFingerprints, config_digest, loader_identity
 from kvtier.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvtier")
@@ -47,41 +47,33 @@ def kv_geometry(kv_cache_config: Any) -> tuple[KVGeometry | None, str]:
                       spec.head_size, spec.dtype), ""
 
 
-def model_fingerprint(vllm_config: Any, settings: ConnectorSettings) -> str:
-    """The weights fingerprint: configured, else hashed from the local weight files."""
-    if settings.weights_fingerprint:
-        return settings.weights_fingerprint
-    mc = vllm_config.model_config
-    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
-    model_dir = resolve_model_dir(mc.model, getattr(mc, "revision", None))
-    if load_format == "dummy":
-        # Dummy weights are generated from a fixed seed from the config alone.
-        return "dummy:" + (weights_fingerprint_config(model_dir) if model_dir else mc.model)
-    if model_dir is None:
-        log.warning("kvtier: cannot find %s's weight files to fingerprint; keying by name and "
-                    "revision only (set weights_fingerprint to be safe)", mc.model)
-        return f"unresolved:{mc.model}@{getattr(mc, 'revision', None)}"
-    return weights_fingerprint(model_dir, settings.cache.path / "fingerprints.json")
+def model_identity(vllm_config: Any) -> dict[str, str]:
+    """Namespace extras that change the KV bytes beyond weights and geometry.
 
-
-def weights_fingerprint_config(model_dir: Any) -> str:
-    import hashlib
-    from pathlib import Path
-
-    cfg = Path(model_dir) / "config.json"
-    return hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.exists() else "no-config"
-
-
-def build_namespace(vllm_config: Any, geometry: KVGeometry, settings: ConnectorSettings,
-                    fingerprint: str, tp_rank: int) -> Namespace:
+    Computed once, when the connector is created (before the worker loads the model, which
+    may touch the config), so the scheduler and every worker derive the same namespace.
+    """
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
-    extra = {
+    return {
         "revision": str(getattr(mc, "revision", None)),
         "quantization": str(getattr(mc, "quantization", None)),
         "kv_cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-        "hf_overrides": str(getattr(mc, "hf_overrides", None) or ""),
+        # The config vLLM built, overrides applied (rope scaling, sliding window, ...).
+        "hf_config": config_digest(mc),
+        **loader_identity(vllm_config),
+        # Context parallelism shards each block's tokens across ranks (kvtier refuses > 1,
+        # see compat.py; keyed anyway so a future change cannot mix layouts).
+        "dcp_size": str(getattr(pc, "decode_context_parallel_size", 1)),
+        "pcp_size": str(getattr(pc, "prefill_context_parallel_size", 1)),
     }
+
+
+def build_namespace(vllm_config: Any, geometry: KVGeometry, settings: ConnectorSettings,
+                    fingerprint: str, identity: dict[str, str], tp_rank: int) -> Namespace:
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    extra = dict(identity)
     return Namespace(
         model=str(mc.model),
         weights_fingerprint=fingerprint,
@@ -94,7 +86,7 @@ def build_namespace(vllm_config: Any, geometry: KVGeometry, settings: ConnectorS
     )
 
 
-def request_extras(request: Any) -> RequestExtras | None:
+def request_extras(request: Any, loras: LoraFingerprints) -> RequestExtras | None:
     """The request's key extras, or None if it has inputs kvtier cannot key."""
     if getattr(request, "prompt_embeds", None) is not None:
         return None
@@ -108,6 +100,8 @@ def request_extras(request: Any) -> RequestExtras | None:
     lora = getattr(request, "lora_request", None)
     lora_id = None
     if lora is not None:
-        lora_id = f"{lora.lora_name}|{getattr(lora, 'lora_path', '')}|{lora.lora_int_id}"
+        lora_id = loras.fingerprint(lora)
+        if lora_id is None:
+            return None  # an adapter whose weights cannot be fingerprinted is never cached
     return RequestExtras(cache_salt=getattr(request, "cache_salt", None), lora=lora_id,
                          mm_hashes=tuple(mm))

@@ -23,6 +23,7 @@ from kvtier.keys import (
     ranked_chunk_keys,
 )
 from kvtier.store import ChunkStore
+from kvtier.vllm.identity import LoraFingerprints
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.vllm.namespace import request_extras
 
@@ -47,10 +48,11 @@ class _Request:
 
 class SchedulerSide:
     def __init__(self, store: ChunkStore, namespaces: list[Namespace], block_size: int,
-                 *, can_load: bool, can_save: bool, save_partial: bool, load_async: bool = True) -> None:
+                 loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool, load_async: bool = True) -> None:
         self.store = store
         self.namespaces = namespaces  # one per tensor-parallel rank
         self.block_size = block_size
+        self.loras = loras
         self.chunk_tokens = namespaces[0].chunk_tokens
         self.can_load = can_load
         self.can_save = can_save
@@ -68,7 +70,7 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is not None:
             return st
-        extras = request_extras(request)
+        extras = request_extras(request, self.loras)
         if extras is None or request.prompt_token_ids is None:
             return None  # inputs kvtier cannot key: never cached
         tokens = as_token_array(request.prompt_token_ids)
