@@ -49,7 +49,8 @@ class Engine:
             kv_transfer_config=kv_transfer_config, **kwargs)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, *, logprobs: bool = False,
-                 salts: list[str | None] | None = None) -> list[Result]:
+                 salts: list[str | None] | None = None, lora: Any = None) -> list[Result]:
+        """Greedy generation; ``lora`` is a ``vllm.lora.request.LoRARequest`` for every prompt."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -61,7 +62,7 @@ class Engine:
             inputs.append(tp)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                 detokenize=False, logprobs=1 if logprobs else None)
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        outs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
         results = []
         for o in outs:
             c = o.outputs[0]
