@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvtier.errors import ConfigError, KVTierError
@@ -68,7 +69,11 @@ def _cache_hit_source() -> Any:
     return getattr(CacheHitSource, "DISK", None) or getattr(CacheHitSource, "HOST", None)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM turns its hybrid KV manager off for connectors without it, and
+    hybrid mamba models then fail to start. Declaring it keeps such models starting; kvtier
+    caches single-group KV only and turns itself off on several groups."""
+
     _cache_hit_source = _cache_hit_source()
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -183,7 +188,6 @@ class KVTierConnector(KVConnectorBase_V1):
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return
-        self._store.backend.register_namespace(ns.id, ns.describe())
 
     def _disable_worker(self, reason: str) -> None:
         self.disabled_reason = reason
@@ -280,6 +284,24 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._sched is None:
             return False, None
         return self._sched.request_finished(request), None
+
+    def reset_cache(self) -> bool:
+        """vLLM asks connectors to drop cached KV, e.g. after the weights were updated in place.
+
+        kvtier's store is keyed by the weights fingerprint taken at start-up, which cannot see
+        weights changed in memory: this process stops looking up and saving (vLLM recomputes),
+        and the store is left intact for servers that still run the fingerprinted weights.
+        """
+        if self._sched is not None:
+            self._sched = None
+            log.warning("kvtier: vLLM reset the connector's cache (weights may have changed in "
+                        "place); kvtier stops caching in this process. Restart the server to "
+                        "cache again.")
+        return True
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:

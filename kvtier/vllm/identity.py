@@ -74,6 +74,11 @@ def model_fingerprint(vllm_config: Any, user_fingerprint: str | None, cache_file
 
         return f"dummy:vllm-{vllm.__version__}:{config_digest(mc)}"
     model = str(mc.model)
+    if getattr(mc, "model_weights", None):
+        # An object-store model: vLLM copied only its config files to a local directory.
+        raise IdentityUnavailable(
+            f"the weights of {mc.model_weights!r} are streamed from object storage, which kvtier "
+            f"cannot hash; {SET_FINGERPRINT}")
     if fmt in STREAMER_FORMATS and not os.path.exists(os.path.expanduser(model)):
         raise IdentityUnavailable(
             f"load_format {fmt!r} streams {model!r} from outside this machine, so kvtier cannot "
@@ -82,7 +87,9 @@ def model_fingerprint(vllm_config: Any, user_fingerprint: str | None, cache_file
         raise IdentityUnavailable(
             f"load_format {fmt!r} loads weights kvtier cannot hash; {SET_FINGERPRINT}")
     download_dir = getattr(lc, "download_dir", None)
-    model_dir = resolve_model_dir(model, getattr(mc, "revision", None), download_dir)
+    revision = getattr(mc, "revision", None)
+    revision = getattr(revision, "resolved", None) or (str(revision) if revision else None)
+    model_dir = resolve_model_dir(model, revision, download_dir)
     where = f" or in the hub cache{f' under download_dir {download_dir}' if download_dir else ''}"
     if model_dir is None:
         raise IdentityUnavailable(

@@ -40,3 +40,7 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # The scheduler's namespace id per tensor-parallel rank: records carry the namespace the
+    # keys were derived from, even where a worker's copy of the config was changed by the
+    # model while loading.
+    namespace_ids: tuple[bytes, ...] = ()

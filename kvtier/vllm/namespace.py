@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -31,15 +32,22 @@ def kv_geometry(kv_cache_config: Any) -> tuple[KVGeometry | None, str]:
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if len(groups) != 1:
-        return None, f"{len(groups)} KV-cache groups (hybrid attention/mamba models are not supported)"
+        return None, (f"{len(groups)} KV-cache groups (a hybrid model under vLLM's hybrid KV manager: "
+                      "mamba or sliding-window layers in their own groups); for sliding-window models "
+                      "start vLLM with --disable-hybrid-kv-cache-manager to cache them")
     spec = groups[0].kv_cache_spec
     if type(spec) is not FullAttentionSpec:
         return None, f"KV-cache spec {type(spec).__name__} (only full attention is supported)"
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        return None, "sliding-window or chunked-local attention"
+    # A FullAttentionSpec may carry a sliding_window or attention_chunk_size: vLLM promotes
+    # local-attention layers of a mixed model to full-attention *allocation* when the hybrid
+    # manager is off, so every token's KV is kept (kv_cache_utils._promote_local_kv_cache_specs)
+    # and can be cached; the window still applies when attending. Models whose every layer is
+    # local keep a SlidingWindowSpec (blocks behind the window are freed) and are refused above.
     head_v = getattr(spec, "head_size_v", None)
     if head_v not in (None, spec.head_size):
         return None, "K and V head sizes differ"
+    if getattr(spec, "non_causal", False):
+        return None, "non-causal attention (a token's KV depends on later tokens)"
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and int(quant) != 0:
         return None, f"quantized KV cache ({quant})"
@@ -55,8 +63,12 @@ def model_identity(vllm_config: Any) -> dict[str, str]:
     """
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
-    return {
-        "revision": str(getattr(mc, "revision", None)),
+    mm = getattr(mc, "multimodal_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    identity = {
+        "revision": str(getattr(getattr(mc, "revision", None), "resolved", None) or getattr(mc, "revision", None)),
+        "code_revision": str(getattr(mc, "code_revision", None)),
+        "model_impl": str(getattr(mc, "model_impl", "auto")),
         "quantization": str(getattr(mc, "quantization", None)),
         "kv_cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
         # The config vLLM built, overrides applied (rope scaling, sliding window, ...).
@@ -66,7 +78,24 @@ def model_identity(vllm_config: Any) -> dict[str, str]:
         # see compat.py; keyed anyway so a future change cannot mix layouts).
         "dcp_size": str(getattr(pc, "decode_context_parallel_size", 1)),
         "pcp_size": str(getattr(pc, "prefill_context_parallel_size", 1)),
+        # Engine-wide multimodal processing options change the embeddings the KV comes from.
+        "mm_processor_kwargs": json.dumps(getattr(mm, "mm_processor_kwargs", None), sort_keys=True, default=str),
+        # A drafter's layers share the KV cache group.
+        "speculative": f"{getattr(spec, 'method', None)}:{getattr(spec, 'model', None)}" if spec else "",
     }
+    if _uses_long_rope(mc):
+        # LongRoPE picks its short or long factors from max_model_len: it changes every K.
+        identity["max_model_len"] = str(getattr(mc, "max_model_len", None))
+    return identity
+
+
+def _uses_long_rope(model_config: Any) -> bool:
+    cfg = getattr(model_config, "hf_config", None)
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = getattr(cfg, name, None)
+        if isinstance(rope, dict) and "longrope" in (str(rope.get("rope_type")), str(rope.get("type"))):
+            return True
+    return False
 
 
 def build_namespace(vllm_config: Any, geometry: KVGeometry, settings: ConnectorSettings,

@@ -51,6 +51,9 @@ class SchedulerSide:
                  loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool, load_async: bool = True) -> None:
         self.store = store
         self.namespaces = namespaces  # one per tensor-parallel rank
+        self.namespace_ids = tuple(ns.id for ns in namespaces)
+        for ns in namespaces:
+            store.backend.register_namespace(ns.id, ns.describe())
         self.block_size = block_size
         self.loras = loras
         self.chunk_tokens = namespaces[0].chunk_tokens
@@ -139,7 +142,7 @@ class SchedulerSide:
         self._loads.append(LoadSpec(request.request_id, chunks, sync=not self.load_async))
 
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads)
+        meta = KVTierMetadata(loads=self._loads, namespace_ids=self.namespace_ids)
         self._loads = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)

@@ -56,6 +56,7 @@ class WorkerSide:
         self.dtype = kv_caches[layer_names[0]].dtype
         self.copies = CopyStream(kv_caches[layer_names[0]].device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
+        self._save_namespace = namespace.id
         self._loads: dict[str, Future[_LoadResult]] = {}
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
@@ -74,6 +75,8 @@ class WorkerSide:
             return
         if self._staged is None:
             self._staged = self._prepare_saves(meta)
+            ids = meta.namespace_ids
+            self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
         with self.copies.after_compute():
             for staged in self._staged:
                 if staged.buf is not None:
@@ -100,7 +103,7 @@ class WorkerSide:
             if s.buf is None:
                 self._bump(save_skipped_chunks=1)
                 continue
-            ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self.namespace.id,
+            ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self._save_namespace,
                                 token_start=s.spec.token_start, num_tokens=s.spec.num_tokens)
             self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
                        save_dropped_chunks=0 if ok else 1)
