@@ -47,6 +47,10 @@ def unsupported_setting(vllm_config: Any) -> str | None:
             # A manager block then holds block_size x n tokens spread over the ranks, so
             # kvtier's token-to-block mapping would save one prompt's KV under another's key.
             return f"{what} context parallelism ({field}={n})"
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        # While asleep the weights can be swapped (the RL loop), and kvtier keys by the
+        # weights it fingerprinted at start-up.
+        return "sleep mode (enable_sleep_mode: the weights may change while the engine sleeps)"
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype not in UNQUANTIZED_KV_DTYPES:
         return f"quantized KV cache (kv_cache_dtype={cache_dtype})"

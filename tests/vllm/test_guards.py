@@ -84,7 +84,7 @@ def test_prefill_context_parallelism_is_refused() -> None:
     from vllm.config import CacheConfig, ParallelConfig
 
     cfg = SimpleNamespace(parallel_config=ParallelConfig(prefill_context_parallel_size=2),
-                          cache_config=CacheConfig())
+                          cache_config=CacheConfig(), model_config=SimpleNamespace())
     assert unsupported_setting(cfg) == "prefill context parallelism (prefill_context_parallel_size=2)"
 
 
@@ -92,10 +92,23 @@ def test_prefill_context_parallelism_is_refused() -> None:
 def test_quantized_kv_cache_is_refused(cache_dtype: str) -> None:
     from vllm.config import CacheConfig, ParallelConfig
 
-    cfg = SimpleNamespace(parallel_config=ParallelConfig(), cache_config=CacheConfig(cache_dtype=cache_dtype))
+    cfg = SimpleNamespace(parallel_config=ParallelConfig(), model_config=SimpleNamespace(),
+                          cache_config=CacheConfig(cache_dtype=cache_dtype))
     assert unsupported_setting(cfg) == f"quantized KV cache (kv_cache_dtype={cache_dtype})"
-    ok = SimpleNamespace(parallel_config=ParallelConfig(), cache_config=CacheConfig(cache_dtype="auto"))
+    ok = SimpleNamespace(parallel_config=ParallelConfig(), model_config=SimpleNamespace(),
+                         cache_config=CacheConfig(cache_dtype="auto"))
     assert unsupported_setting(ok) is None
+
+
+def test_sleep_mode_is_refused() -> None:
+    """Sleep mode is for swapping weights in place (vLLM on the CPU cannot enable it)."""
+    from vllm.config import CacheConfig, ParallelConfig
+
+    cfg = SimpleNamespace(parallel_config=ParallelConfig(), cache_config=CacheConfig(),
+                          model_config=SimpleNamespace(enable_sleep_mode=True))
+    assert "sleep mode" in str(unsupported_setting(cfg))
+    cfg.model_config.enable_sleep_mode = False
+    assert unsupported_setting(cfg) is None
 
 
 @pytest.mark.parametrize(("version", "ok"), [
