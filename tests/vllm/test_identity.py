@@ -163,3 +163,75 @@ def test_unexpected_startup_error_never_takes_the_server_down(tiny_model: Path, 
     got, reason = _serve(tiny_model, store_dir)
     assert reason is not None and "unexpected error while starting (AttributeError" in reason
     assert got.tokens == base.tokens
+
+
+def _hub_snapshot(download_dir: Path, repo: str, files: dict[str, bytes]) -> Path:
+    """A model in the hub-cache layout vLLM uses under --download-dir (nothing downloaded)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = download_dir / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name, data in files.items():
+        (snap / name).write_bytes(data)
+    return snap
+
+
+def _config(model: str, download_dir: Path | None = None, load_format: str = "auto"):
+    """vLLM's real LoadConfig; the model config stands in for one built from a hub id, which
+    would need the hub."""
+    from types import SimpleNamespace
+
+    from vllm.config import LoadConfig
+
+    return SimpleNamespace(model_config=SimpleNamespace(model=model, revision=None),
+                           load_config=LoadConfig(load_format=load_format,
+                                                  download_dir=str(download_dir) if download_dir else None))
+
+
+def test_download_dir_snapshot_without_weights_is_refused_not_a_crash(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repo id whose snapshot under --download-dir holds only the config: no fingerprint,
+    a message naming what to set (not a FileNotFoundError at start-up)."""
+    from kvtier.vllm.identity import IdentityUnavailable, model_fingerprint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dl = tmp_path / "dl"
+    _hub_snapshot(dl, "acme/tiny", {"config.json": b"{}"})
+    with pytest.raises(IdentityUnavailable, match="no weight files.*weights_fingerprint"):
+        model_fingerprint(_config("acme/tiny", dl), None, None)
+    with pytest.raises(IdentityUnavailable, match="under download_dir .*weights_fingerprint"):
+        model_fingerprint(_config("acme/other", dl), None, None)
+    # The explicit fingerprint is what the user asked for.
+    assert model_fingerprint(_config("acme/tiny", dl), "acme-tiny@v3", None) == "acme-tiny@v3"
+
+
+def test_download_dir_snapshot_with_weights_is_hashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.vllm.identity import model_fingerprint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dl = tmp_path / "dl"
+    snap = _hub_snapshot(dl, "acme/tiny", {"config.json": b"{}", "model.safetensors": b"w1"})
+    first = model_fingerprint(_config("acme/tiny", dl), None, None)
+    assert first.startswith("sha256:")
+    (snap / "model.safetensors").write_bytes(b"w2")  # new weights under the same repo id
+    assert model_fingerprint(_config("acme/tiny", dl), None, None) != first
+
+
+def test_single_file_checkpoint_is_hashed(tmp_path: Path) -> None:
+    from kvtier.vllm.identity import model_fingerprint
+
+    gguf = tmp_path / "tiny.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF-v1")
+    first = model_fingerprint(_config(str(gguf)), None, None)
+    gguf.write_bytes(b"GGUF-v2")
+    assert model_fingerprint(_config(str(gguf)), None, None) != first
+
+
+@pytest.mark.parametrize("fmt", ["tensorizer", "ipc_cache", "modelexpress"])
+def test_loaders_kvtier_cannot_see_into_need_a_fingerprint(tiny_model: Path, fmt: str) -> None:
+    from kvtier.vllm.identity import IdentityUnavailable, model_fingerprint
+
+    with pytest.raises(IdentityUnavailable, match=f"load_format '{fmt}'.*weights_fingerprint"):
+        model_fingerprint(_config(str(tiny_model), load_format=fmt), None, None)
