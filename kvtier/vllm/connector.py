@@ -61,7 +61,7 @@ _route_logs_through_vllm()
 
 
 def _cache_hit_source() -> Any:
-    """How vLLM's metrics label our hits (vLLM >= 0.31 has the enum; older ones ignore it)."""
+    """How vLLM's metrics label our hits (vLLM >= 0.32 has the enum; 0.30 and 0.31 don't)."""
     try:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
     except ImportError:
