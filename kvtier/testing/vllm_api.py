@@ -17,7 +17,6 @@ What is checked:
 from __future__ import annotations
 
 import ast
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -166,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cache = Path(tempfile.gettempdir()) / "kvtier-vllm-api"
         cache.mkdir(exist_ok=True)
-        if shutil.which("pip") is None and subprocess.run([sys.executable, "-m", "pip", "--version"],
-                                                          capture_output=True).returncode:
-            print("pip is needed to fetch a vLLM release", file=sys.stderr)
+        try:
+            root = fetch_release(args[0], cache)
+        except (subprocess.CalledProcessError, OSError, KeyError, StopIteration) as exc:
+            print(f"cannot fetch vLLM {args[0]}'s sources with pip: {exc}", file=sys.stderr)
             return 2
-        root = fetch_release(args[0], cache)
     problems = api_problems(root)
     for p in problems:
         print(p)
