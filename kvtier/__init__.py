@@ -3,16 +3,37 @@
 The library API is :class:`KVCache` (save, lookup and load the KV of token sequences) over
 a :class:`ChunkStore` (host tier + LMDB or files). The vLLM connector lives in
 ``kvtier.vllm`` and is imported only when vLLM loads it.
+
+Names are imported on first use, so ``import kvtier`` (and the ``kvtier`` command, whose
+read-only commands parse record headers without tensors) does not import torch.
 """
 
-from kvtier.cache import KVCache
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError, KVTierError, RecordError, StoreError, StoreFormatError
 from kvtier.keys import Namespace, RequestExtras
-from kvtier.store import ChunkStore
+
+if TYPE_CHECKING:
+    from kvtier.cache import KVCache
+    from kvtier.store import ChunkStore
 
 __all__ = [
     "CacheConfig", "ChunkStore", "ConfigError", "KVCache", "KVTierError", "Namespace",
     "RecordError", "RequestExtras", "StoreError", "StoreFormatError",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {"KVCache": "kvtier.cache", "ChunkStore": "kvtier.store"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -17,14 +17,17 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 import zstandard
 
 from kvtier.errors import IncompatibleRecord, RecordError
 from kvtier.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_ID_BYTES
+
+if TYPE_CHECKING:  # torch is imported only where tensors are made: the CLI reads headers without it
+    import torch
 
 MAGIC = b"KVTIER\x00\x01"
 _FIXED = struct.Struct("<8sHHBBBBIQQQQ32s16s16s")
@@ -39,16 +42,24 @@ CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd+shuffle"}
 LAYOUTS = {1: "LKTHD"}  # [layers, k/v, tokens, kv_heads, head_dim]
 LAYOUT_CODES = {v: k for k, v in LAYOUTS.items()}
 
-DTYPES: dict[int, torch.dtype] = {
-    1: torch.float32,
-    2: torch.float16,
-    3: torch.bfloat16,
-    4: torch.float8_e4m3fn,
-    5: torch.float8_e5m2,
-    6: torch.int8,
-    7: torch.uint8,
+# dtype code -> (torch dtype name, bytes per element)
+DTYPE_INFO: dict[int, tuple[str, int]] = {
+    1: ("float32", 4),
+    2: ("float16", 2),
+    3: ("bfloat16", 2),
+    4: ("float8_e4m3fn", 1),
+    5: ("float8_e5m2", 1),
+    6: ("int8", 1),
+    7: ("uint8", 1),
 }
-DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+DTYPE_CODES = {name: code for code, (name, _) in DTYPE_INFO.items()}
+
+
+def torch_dtypes() -> dict[int, torch.dtype]:
+    """The record format's dtypes as torch dtypes, by code."""
+    import torch
+
+    return {code: getattr(torch, name) for code, (name, _) in DTYPE_INFO.items()}
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,7 @@ class RecordHeader:
     format_version: int
     header_len: int
     codec: int
-    dtype: torch.dtype
+    dtype_name: str  # torch's name, e.g. "bfloat16"
     layout: str
     shape: tuple[int, ...]
     num_tokens: int
@@ -72,12 +83,20 @@ class RecordHeader:
     def record_len(self) -> int:
         return self.header_len + self.payload_len
 
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
 
-def dtype_name(dtype: torch.dtype) -> str:
+        return getattr(torch, self.dtype_name)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
+    import torch
+
     return t.contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
@@ -107,7 +126,8 @@ def encode(
     """Encode a CPU tensor as ``(header, payload)``; the raw payload is a view, not a copy."""
     if tensor.device.type != "cpu":
         raise ValueError("encode() takes a CPU tensor; stage device tensors into host memory first")
-    if tensor.dtype not in DTYPE_CODES:
+    code = DTYPE_CODES.get(dtype_name(tensor.dtype))
+    if code is None:
         raise ValueError(f"dtype {tensor.dtype} is not supported by the record format")
     if len(key) != KEY_BYTES or len(namespace_id) != NAMESPACE_ID_BYTES:
         raise ValueError("key must be 32 bytes and namespace_id 16 bytes")
@@ -124,7 +144,7 @@ def encode(
     checksum = xxhash.xxh3_128_digest(payload)
     header_len = _FIXED.size + 8 * tensor.dim() + 8
     head = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, header_len, codec, DTYPE_CODES[tensor.dtype], LAYOUT_CODES[layout],
+        MAGIC, FORMAT_VERSION, header_len, codec, code, LAYOUT_CODES[layout],
         tensor.dim(), num_tokens, token_start, time.time_ns(), raw.nbytes, payload.nbytes,
         key, namespace_id, checksum,
     ) + b"".join(_U64.pack(d) for d in tensor.shape)
@@ -151,11 +171,10 @@ def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30) -
         raise RecordError("header checksum mismatch")
     if version != FORMAT_VERSION:
         raise IncompatibleRecord(f"record format version {version}, this kvtier reads {FORMAT_VERSION}")
-    if codec not in CODEC_NAMES or dtype_code not in DTYPES or layout_code not in LAYOUTS:
+    if codec not in CODEC_NAMES or dtype_code not in DTYPE_INFO or layout_code not in LAYOUTS:
         raise RecordError("unknown codec, dtype or layout code")
     shape = tuple(_U64.unpack_from(mv, _FIXED.size + 8 * i)[0] for i in range(ndim))
-    dtype = DTYPES[dtype_code]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    dtype, itemsize = DTYPE_INFO[dtype_code]
     n_items = 1
     for d in shape:
         if d > max_record_bytes:  # also with a zero dimension beside it (no tensor has it)
@@ -206,10 +225,12 @@ def decode(
             raise RecordError(f"zstd payload does not decompress: {exc}") from exc
         if len(planes) != header.raw_len:
             raise RecordError("decompressed length does not match the header")
-        itemsize = torch.empty((), dtype=header.dtype).element_size()
+        itemsize = DTYPE_INFO[DTYPE_CODES[header.dtype_name]][1]
         raw = _unshuffle(np.frombuffer(planes, dtype=np.uint8), itemsize)
     else:
         raw = np.frombuffer(payload, dtype=np.uint8)
+    import torch
+
     if out is None:
         out = torch.empty(header.shape, dtype=header.dtype)
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:

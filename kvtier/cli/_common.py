@@ -33,6 +33,13 @@ class NotFoundError(KVTierError):
     """What the command line names is not in the store (exit status 1)."""
 
 
+def short_model(model: str) -> str:
+    """A model's name for a table: a local path's last component; a hub id as it is."""
+    if model.startswith(("/", ".", "~")):
+        return model.rstrip("/").rsplit("/", 1)[-1] or model
+    return model
+
+
 def stdout_console() -> Console:
     # highlight=False: rich would otherwise colour numbers in our tables at random.
     return Console(highlight=False, soft_wrap=False)

@@ -18,6 +18,7 @@ from kvtier.cli._common import (
     ago,
     line,
     print_json,
+    short_model,
     show,
     size,
     stdout_console,
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         for col in ("namespace", "model", "chunks", "size", "most recent use"):
             t.add_column(col, justify="right" if col in ("chunks", "size") else "left")
         for i, v in sorted(per_ns.items(), key=lambda kv: -kv[1][1]):
-            t.add_row(i.hex()[:12], escape(str((descriptions.get(i) or {}).get("model", "(unregistered)"))),
+            t.add_row(i.hex()[:12], escape(short_model(str((descriptions.get(i) or {}).get("model", "(unregistered)")))),
                       f"{v[0]:,}", size(v[1]), ago(v[2], now))
         show(con, t)
     what = []

@@ -44,7 +44,7 @@ from kvtier.cli._store import (
     resolve_namespaces,
     snapshot,
 )
-from kvtier.codec import CODEC_NAMES, RecordHeader, dtype_name
+from kvtier.codec import CODEC_NAMES, RecordHeader
 from kvtier.errors import StoreError
 from kvtier.keys import (
     KEY_BYTES,
@@ -130,7 +130,7 @@ def _examine(backend: Backend, key: bytes) -> tuple[RecordHeader | None, str]:
 def _header_json(h: RecordHeader) -> dict[str, Any]:
     return {
         "format_version": h.format_version, "codec": CODEC_NAMES.get(h.codec, str(h.codec)),
-        "dtype": dtype_name(h.dtype), "layout": h.layout, "shape": list(h.shape),
+        "dtype": h.dtype_name, "layout": h.layout, "shape": list(h.shape),
         "token_start": h.token_start, "num_tokens": h.num_tokens,
         "created": ts_seconds(h.created_ns), "header_bytes": h.header_len,
         "raw_bytes": h.raw_len, "payload_bytes": h.payload_len, "record_bytes": h.record_len,
@@ -170,7 +170,7 @@ def _run_key(args: argparse.Namespace) -> int:
         h = header
         t.add_row("namespace", f"{h.namespace_id.hex()}" + (f" ({escape(str(desc.get('model')))})" if desc else ""))
         t.add_row("format", f"v{h.format_version}, layout {h.layout} [layers, k/v, tokens, kv_heads, head_dim]")
-        t.add_row("shape / dtype", f"{list(h.shape)} {dtype_name(h.dtype)}")
+        t.add_row("shape / dtype", f"{list(h.shape)} {h.dtype_name}")
         t.add_row("tokens", f"{h.token_start:,}–{h.token_start + h.num_tokens:,} ({h.num_tokens:,} tokens)")
         t.add_row("codec", CODEC_NAMES.get(h.codec, str(h.codec)))
         cr = ratio(h.raw_len, h.payload_len)

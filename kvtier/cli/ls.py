@@ -15,6 +15,7 @@ from kvtier.cli._common import (
     ago,
     line,
     print_json,
+    short_model,
     show,
     size,
     stdout_console,
@@ -32,7 +33,10 @@ dtype, KV shape, chunk size, tensor-parallel rank/size and format version. Per-r
 extras (cache_salt, LoRA adapter, multimodal inputs) are hashed into each chunk's key and
 are not stored, so chunks cannot be listed by salt or tenant.
 Ages: OLDEST/NEWEST are when chunks were written, LAST USE when one was last saved or loaded.
+The table shows a short model name (a local model's directory name); the full identity
+(path, revision, config digest, loader options, ...) is in --json and 'kvtier inspect'.
 """
+
 
 
 @dataclass
@@ -128,12 +132,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         d = r.description or {}
         shape = d.get("kv_shape")
-        extra = d.get("extra")
-        model = str(d.get("model", "(unregistered)"))
-        if isinstance(extra, dict) and extra:
-            model += " " + ",".join(f"{k}={v}" for k, v in extra.items())
         table.add_row(
-            r.id.hex()[:12], model, str(d.get("weights_fingerprint", "-"))[:19], str(d.get("dtype", "-")),
+            r.id.hex()[:12], short_model(str(d.get("model", "(unregistered)"))), str(d.get("weights_fingerprint", "-"))[:19], str(d.get("dtype", "-")),
             "×".join(map(str, shape)) if isinstance(shape, list) else "-",
             str(d.get("chunk_tokens", "-")),
             f"{d['tp_rank']}/{d['tp_size']}" if "tp_rank" in d else "-",

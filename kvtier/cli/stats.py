@@ -23,7 +23,7 @@ from kvtier.cli._common import (
     ts_seconds,
 )
 from kvtier.cli._store import disk_files, lmdb_pages, open_store, scan_headers, snapshot
-from kvtier.codec import CODEC_NAMES, dtype_name
+from kvtier.codec import CODEC_NAMES
 from kvtier.units import parse_size
 
 EPILOG = """\
@@ -63,7 +63,7 @@ def collect(store_path: str, budget: int | None) -> dict[str, Any]:
     raw = sum(h.raw_len for h in headers)
     payload = sum(h.payload_len for h in headers)
     codecs = Counter(CODEC_NAMES.get(h.codec, str(h.codec)) for h in headers)
-    dtypes = Counter(dtype_name(h.dtype) for h in headers)
+    dtypes = Counter(h.dtype_name for h in headers)
     files = disk_files(root)
     du = shutil.disk_usage(root)
     created = [h.created_ns for h in headers]

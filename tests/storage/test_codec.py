@@ -36,7 +36,7 @@ def make_record(dtype: torch.dtype = torch.bfloat16, compression: str = "none",
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-@pytest.mark.parametrize("dtype", list(codec.DTYPES.values()), ids=codec.dtype_name)
+@pytest.mark.parametrize("dtype", list(codec.torch_dtypes().values()), ids=codec.dtype_name)
 def test_round_trip_every_dtype(dtype: torch.dtype, compression: str) -> None:
     t, rec = make_record(dtype, compression)
     header, got = codec.decode(rec, expect_key=KEY)
