@@ -73,14 +73,15 @@ def stderr_console() -> Console:
     return Console(stderr=True, highlight=False)
 
 
-def progress(label: str, *, enabled: bool = True) -> Progress:
-    """A progress bar on stderr, shown only on a terminal (never in pipes or with --json)."""
+def progress(label: str, *, enabled: bool = True, unit: str = "records") -> Progress:
+    """A progress bar on stderr, shown only on a terminal (never in pipes or with --json).
+    A task's ``status`` field, when given, is shown after the count."""
     console = stderr_console()
     return Progress(
         TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("records"),
+        TextColumn(unit + "{task.fields[status]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,

@@ -16,7 +16,7 @@ import traceback
 import lmdb
 
 import kvtier
-from kvtier.cli import compact, evict, inspect, ls, stats, verify
+from kvtier.cli import compact, evict, inspect, ls, stats, verify, warmup
 from kvtier.cli._common import NotFoundError, Parser, UsageError
 from kvtier.errors import ConfigError, KVTierError
 
@@ -28,6 +28,7 @@ examples:
   kvtier verify /data/kvcache                 check every checksum (exit 1 if corrupt)
   kvtier evict /data/kvcache --max-bytes 50G  drop least recently used chunks
   kvtier compact /data/kvcache                shrink an LMDB store's file (server stopped)
+  kvtier warmup --model DIR --prompts P.jsonl store the KV of known prompts before traffic
 
 Run 'kvtier COMMAND --help' for each command's options and examples.
 Exit status: 0 ok; 1 store unusable, not found, or corruption found; 2 bad command line.
@@ -37,12 +38,12 @@ Exit status: 0 ok; 1 store unusable, not found, or corruption found; 2 bad comma
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="kvtier",
-        description="Inspect, verify and evict a kvtier KV cache on disk, offline "
+        description="Inspect, verify, evict and warm up a kvtier KV cache on disk, offline "
                     "(safe while a server is writing to it).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (ls, stats, inspect, verify, evict, compact):
+    for module in (ls, stats, inspect, verify, evict, compact, warmup):
         module.add_parser(sub)
     return parser
 

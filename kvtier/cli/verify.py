@@ -95,7 +95,7 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
     with open_store(store_path, write=remove) as st:
         entries = snapshot(st.backend)
         with progress("verifying", enabled=show_progress) as bar:
-            task = bar.add_task("verify", total=len(entries))
+            task = bar.add_task("verify", total=len(entries), status="")
             for e in entries:
                 kind, why, nbytes = _status(st.backend, e.key)
                 if kind == "ok":

@@ -28,7 +28,7 @@ from kvtier.errors import ConfigError, KVTierError
 from kvtier.store import ChunkStore
 from kvtier.vllm.compat import startup_problem
 from kvtier.vllm.identity import IdentityUnavailable, LoraFingerprints, model_fingerprint
-from kvtier.vllm.layout import BACKEND_CONTENT, UnsupportedLayout
+from kvtier.vllm.layout import BACKEND_CONTENT, UnsupportedLayout, probe_cpu_layout
 from kvtier.vllm.metadata import KVTierMetadata
 from kvtier.vllm.namespace import build_namespace, kv_geometry, model_identity
 from kvtier.vllm.scheduler_side import SchedulerSide
@@ -67,6 +67,29 @@ def _cache_hit_source() -> Any:
     except ImportError:
         return None
     return getattr(CacheHitSource, "DISK", None) or getattr(CacheHitSource, "HOST", None)
+
+
+def _cpu_content_layout(layer: Any, g: Any, vllm_config: Any) -> str | torch.Tensor | None:
+    """The CPU backend's KV layout for this engine's kernel ISA, found by writing known values
+    through vLLM's own cache-write op (see :func:`kvtier.vllm.layout.probe_cpu_layout`)."""
+    from vllm import _custom_ops as ops
+
+    isa = getattr(layer, "isa", None)
+    if isa is None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(g.dtype, g.block_size, g.head_size,
+                            str(getattr(vllm_config.cache_config, "cache_dtype", "auto")))
+
+    def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    layout = probe_cpu_layout(write, g.block_size, g.head_size, g.dtype)
+    log.info("kvtier: CPU attention kernel %s stores KV %s", isa,
+             "in a layout kvtier cannot invert" if layout is None
+             else f"as {layout}" if isinstance(layout, str) else "in a packed layout (permuted copies)")
+    return layout
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -139,8 +162,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._fingerprint = model_fingerprint(vllm_config, self.settings.weights_fingerprint, fingerprints)
         if role == KVConnectorRole.SCHEDULER:
             tp = int(vllm_config.parallel_config.tensor_parallel_size)
-            namespaces = [build_namespace(vllm_config, geometry, self.settings, self._fingerprint,
-                                          self._identity, r) for r in range(tp)]
+            namespaces = [build_namespace(str(vllm_config.model_config.model), geometry,
+                                          self.settings.cache.chunk_tokens, self._fingerprint,
+                                          self._identity, r, tp) for r in range(tp)]
             loras = LoraFingerprints(fingerprints, getattr(vllm_config.load_config, "download_dir", None))
             self._sched = SchedulerSide(self._store, namespaces, geometry.block_size, loras,
                                         can_load=self._can_load, can_save=self._can_save,
@@ -181,10 +205,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if len(contents) != 1 or None in contents:
             self._disable_worker(f"attention backend {sorted(backends)} has a KV layout kvtier does not handle")
             return
+        content = contents.pop()
+        if content == "cpu":
+            content = _cpu_content_layout(ctx[names[0]], g, self._vllm_config)
+            if content is None:
+                self._disable_worker("the CPU attention kernel stores KV in a form kvtier cannot invert")
+                return
         rank = get_tensor_model_parallel_rank()
-        ns = build_namespace(self._vllm_config, g, self.settings, self._fingerprint, self._identity, rank)
+        ns = build_namespace(str(self._vllm_config.model_config.model), g, self.settings.cache.chunk_tokens,
+                             self._fingerprint, self._identity, rank,
+                             int(self._vllm_config.parallel_config.tensor_parallel_size))
         try:
-            self._worker = WorkerSide(self._store, ns, names, kv_caches, contents.pop(), g.block_size)
+            self._worker = WorkerSide(self._store, ns, names, kv_caches, content, g.block_size)
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return

@@ -43,15 +43,15 @@ class IdentityUnavailable(Exception):
     """kvtier cannot tell which weights are loaded; the message says what to set."""
 
 
-def _load_format(load_config: Any) -> str:
+def load_format_name(load_config: Any) -> str:
     fmt = getattr(load_config, "load_format", "auto")
     return str(getattr(fmt, "value", fmt)).lower()  # an enum in some vLLM versions
 
 
-def config_digest(model_config: Any) -> str:
-    """SHA-256 of the HF config vLLM built (``hf_config_path`` and ``hf_overrides``, callable
-    ones included, applied): what the model computes with, not the file next to the weights."""
-    cfg = getattr(model_config, "hf_config", None)
+def config_digest(cfg: Any) -> str:
+    """SHA-256 of the HF config the engine built (for vLLM: ``hf_config_path`` and
+    ``hf_overrides``, callable ones included, applied): what the model computes with, not
+    the file next to the weights."""
     if cfg is None or not hasattr(cfg, "to_dict"):
         raise IdentityUnavailable(f"vLLM's model config has no HF config to fingerprint ({type(cfg).__name__})")
     d = {k: v for k, v in cfg.to_dict().items() if k not in _CONFIG_NOISE}
@@ -60,35 +60,47 @@ def config_digest(model_config: Any) -> str:
 
 
 def model_fingerprint(vllm_config: Any, user_fingerprint: str | None, cache_file: Path | None) -> str:
-    """The weights' fingerprint: the user's, else a hash of the files vLLM loads.
+    """The weights' fingerprint for a vLLM engine: the user's, else a hash of the files it loads.
 
     Raises :class:`IdentityUnavailable` when neither is possible.
     """
-    if user_fingerprint:
-        return user_fingerprint
     mc, lc = vllm_config.model_config, vllm_config.load_config
-    fmt = _load_format(lc)
-    if fmt == "dummy":
+    revision = getattr(mc, "revision", None)
+    fmt = load_format_name(lc)
+    dummy = None
+    if fmt == "dummy" and not user_fingerprint:
         # Generated from a fixed seed by this vLLM version's initializer, from the config.
         import vllm
 
-        return f"dummy:vllm-{vllm.__version__}:{config_digest(mc)}"
-    model = str(mc.model)
-    if getattr(mc, "model_weights", None):
+        dummy = f"dummy:vllm-{vllm.__version__}:{config_digest(getattr(mc, 'hf_config', None))}"
+    return weights_identity(
+        str(mc.model), load_format=fmt, user_fingerprint=user_fingerprint, cache_file=cache_file,
+        revision=getattr(revision, "resolved", None) or (str(revision) if revision else None),
+        download_dir=getattr(lc, "download_dir", None),
+        streamed_from=getattr(mc, "model_weights", None), dummy=dummy)
+
+
+def weights_identity(model: str, *, load_format: str = "auto", user_fingerprint: str | None = None,
+                     cache_file: Path | None = None, revision: str | None = None,
+                     download_dir: str | None = None, streamed_from: str | None = None,
+                     dummy: str | None = None) -> str:
+    """The one rule for a weights fingerprint (the connector's and offline warm-up's)."""
+    if user_fingerprint:
+        return user_fingerprint
+    if load_format == "dummy" and dummy:
+        return dummy
+    if streamed_from:
         # An object-store model: vLLM copied only its config files to a local directory.
         raise IdentityUnavailable(
-            f"the weights of {mc.model_weights!r} are streamed from object storage, which kvtier "
+            f"the weights of {streamed_from!r} are streamed from object storage, which kvtier "
             f"cannot hash; {SET_FINGERPRINT}")
-    if fmt in STREAMER_FORMATS and not os.path.exists(os.path.expanduser(model)):
+    if load_format in STREAMER_FORMATS and not os.path.exists(os.path.expanduser(model)):
         raise IdentityUnavailable(
-            f"load_format {fmt!r} streams {model!r} from outside this machine, so kvtier cannot "
-            f"hash its weights; {SET_FINGERPRINT}")
-    if fmt not in LOCAL_FILE_FORMATS | STREAMER_FORMATS:
+            f"load_format {load_format!r} streams {model!r} from outside this machine, so kvtier "
+            f"cannot hash its weights; {SET_FINGERPRINT}")
+    if load_format not in LOCAL_FILE_FORMATS | STREAMER_FORMATS:
         raise IdentityUnavailable(
-            f"load_format {fmt!r} loads weights kvtier cannot hash; {SET_FINGERPRINT}")
-    download_dir = getattr(lc, "download_dir", None)
-    revision = getattr(mc, "revision", None)
-    revision = getattr(revision, "resolved", None) or (str(revision) if revision else None)
+            f"load_format {load_format!r} loads weights kvtier cannot hash; {SET_FINGERPRINT}")
     model_dir = resolve_model_dir(model, revision, download_dir)
     where = f" or in the hub cache{f' under download_dir {download_dir}' if download_dir else ''}"
     if model_dir is None:
@@ -99,19 +111,6 @@ def model_fingerprint(vllm_config: Any, user_fingerprint: str | None, cache_file
         return weights_fingerprint(model_dir, cache_file)
     except FileNotFoundError as exc:
         raise IdentityUnavailable(f"cannot fingerprint {model!r}: {exc}; {SET_FINGERPRINT}") from exc
-
-
-def loader_identity(vllm_config: Any) -> dict[str, str]:
-    """Loader options that change *which* weights are loaded from the same files."""
-    lc = vllm_config.load_config
-    extra = getattr(lc, "model_loader_extra_config", None) or {}
-    if not isinstance(extra, dict):  # a TensorizerConfig object
-        extra = getattr(extra, "__dict__", {"value": str(extra)})
-    return {
-        "load_format": _load_format(lc),
-        "ignore_patterns": json.dumps(getattr(lc, "ignore_patterns", None), default=str),
-        "model_loader_extra_config": json.dumps(extra, sort_keys=True, default=str),
-    }
 
 
 @dataclass(frozen=True)

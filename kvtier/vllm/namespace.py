@@ -9,8 +9,7 @@ from typing import Any
 
 from kvtier.codec import dtype_name
 from kvtier.keys import Namespace, RequestExtras
-from kvtier.vllm.identity import LoraFingerprints, config_digest, loader_identity
-from kvtier.vllm.settings import ConnectorSettings
+from kvtier.vllm.identity import LoraFingerprints, config_digest, load_format_name
 
 log = logging.getLogger("kvtier")
 
@@ -56,41 +55,73 @@ def kv_geometry(kv_cache_config: Any) -> tuple[KVGeometry | None, str]:
 
 
 def model_identity(vllm_config: Any) -> dict[str, str]:
-    """Namespace extras that change the KV bytes beyond weights and geometry.
+    """Namespace extras that change the KV bytes beyond weights and geometry, from vLLM's config.
 
-    Computed once, when the connector is created (before the worker loads the model, which
-    may touch the config), so the scheduler and every worker derive the same namespace.
+    Computed once, when the connector is created, so every process derives the same
+    namespace; the scheduler's ids also travel to the workers with each step's metadata.
     """
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
+    lc = vllm_config.load_config
     mm = getattr(mc, "multimodal_config", None)
     spec = getattr(vllm_config, "speculative_config", None)
+    revision = getattr(getattr(mc, "revision", None), "resolved", None) or getattr(mc, "revision", None)
+    return identity_extras(
+        hf_config=getattr(mc, "hf_config", None),
+        revision=revision, code_revision=getattr(mc, "code_revision", None),
+        model_impl=getattr(mc, "model_impl", "auto"), quantization=getattr(mc, "quantization", None),
+        kv_cache_dtype=getattr(vllm_config.cache_config, "cache_dtype", "auto"),
+        load_format=load_format_name(lc), ignore_patterns=getattr(lc, "ignore_patterns", None),
+        model_loader_extra_config=getattr(lc, "model_loader_extra_config", None),
+        dcp_size=getattr(pc, "decode_context_parallel_size", 1),
+        pcp_size=getattr(pc, "prefill_context_parallel_size", 1),
+        mm_processor_kwargs=getattr(mm, "mm_processor_kwargs", None),
+        speculative=f"{getattr(spec, 'method', None)}:{getattr(spec, 'model', None)}" if spec else "",
+        max_model_len=getattr(mc, "max_model_len", None))
+
+
+def identity_extras(*, hf_config: Any, revision: Any = None, code_revision: Any = None,
+                    model_impl: Any = "auto", quantization: Any = None, kv_cache_dtype: Any = "auto",
+                    load_format: str = "auto", ignore_patterns: Any = ("original/**/*",),
+                    model_loader_extra_config: Any = None, dcp_size: Any = 1, pcp_size: Any = 1,
+                    mm_processor_kwargs: Any = None, speculative: str = "",
+                    max_model_len: Any = None) -> dict[str, str]:
+    """The one place that turns engine settings into namespace extras. The defaults are
+    vLLM's, so offline warm-up without vLLM (``kvtier.warmup``) derives the namespace a
+    server started with default settings derives."""
+    extra = model_loader_extra_config or {}
+    if not isinstance(extra, dict):  # a TensorizerConfig object
+        extra = getattr(extra, "__dict__", {"value": str(extra)})
+    if isinstance(ignore_patterns, tuple):
+        ignore_patterns = list(ignore_patterns)
     identity = {
-        "revision": str(getattr(getattr(mc, "revision", None), "resolved", None) or getattr(mc, "revision", None)),
-        "code_revision": str(getattr(mc, "code_revision", None)),
-        "model_impl": str(getattr(mc, "model_impl", "auto")),
-        "quantization": str(getattr(mc, "quantization", None)),
-        "kv_cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-        # The config vLLM built, overrides applied (rope scaling, sliding window, ...).
-        "hf_config": config_digest(mc),
-        **loader_identity(vllm_config),
+        "revision": str(revision),
+        "code_revision": str(code_revision),
+        "model_impl": str(getattr(model_impl, "value", model_impl)),
+        "quantization": str(quantization),
+        "kv_cache_dtype": str(kv_cache_dtype),
+        # The config the engine built, overrides applied (rope scaling, sliding window, ...).
+        "hf_config": config_digest(hf_config),
+        # Loader options that change which weights are loaded from the same files.
+        "load_format": load_format,
+        "ignore_patterns": json.dumps(ignore_patterns, default=str),
+        "model_loader_extra_config": json.dumps(extra, sort_keys=True, default=str),
         # Context parallelism shards each block's tokens across ranks (kvtier refuses > 1,
         # see compat.py; keyed anyway so a future change cannot mix layouts).
-        "dcp_size": str(getattr(pc, "decode_context_parallel_size", 1)),
-        "pcp_size": str(getattr(pc, "prefill_context_parallel_size", 1)),
+        "dcp_size": str(dcp_size),
+        "pcp_size": str(pcp_size),
         # Engine-wide multimodal processing options change the embeddings the KV comes from.
-        "mm_processor_kwargs": json.dumps(getattr(mm, "mm_processor_kwargs", None), sort_keys=True, default=str),
+        "mm_processor_kwargs": json.dumps(mm_processor_kwargs, sort_keys=True, default=str),
         # A drafter's layers share the KV cache group.
-        "speculative": f"{getattr(spec, 'method', None)}:{getattr(spec, 'model', None)}" if spec else "",
+        "speculative": speculative,
     }
-    if _uses_long_rope(mc):
+    if _uses_long_rope(hf_config):
         # LongRoPE picks its short or long factors from max_model_len: it changes every K.
-        identity["max_model_len"] = str(getattr(mc, "max_model_len", None))
+        identity["max_model_len"] = str(max_model_len)
     return identity
 
 
-def _uses_long_rope(model_config: Any) -> bool:
-    cfg = getattr(model_config, "hf_config", None)
+def _uses_long_rope(cfg: Any) -> bool:
     for name in ("rope_scaling", "rope_parameters"):
         rope = getattr(cfg, name, None)
         if isinstance(rope, dict) and "longrope" in (str(rope.get("rope_type")), str(rope.get("type"))):
@@ -98,20 +129,18 @@ def _uses_long_rope(model_config: Any) -> bool:
     return False
 
 
-def build_namespace(vllm_config: Any, geometry: KVGeometry, settings: ConnectorSettings,
-                    fingerprint: str, identity: dict[str, str], tp_rank: int) -> Namespace:
-    mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
-    extra = dict(identity)
+def build_namespace(model: str, geometry: KVGeometry, chunk_tokens: int, fingerprint: str,
+                    identity: dict[str, str], tp_rank: int, tp_size: int) -> Namespace:
+    """The namespace of one tensor-parallel rank (the connector's and warm-up's)."""
     return Namespace(
-        model=str(mc.model),
+        model=model,
         weights_fingerprint=fingerprint,
         dtype=dtype_name(geometry.dtype),
         kv_shape=(len(geometry.layer_names), 2, geometry.num_kv_heads, geometry.head_size),
-        chunk_tokens=settings.cache.chunk_tokens,
+        chunk_tokens=chunk_tokens,
         tp_rank=tp_rank,
-        tp_size=int(pc.tensor_parallel_size),
-        extra=tuple(sorted(extra.items())),
+        tp_size=tp_size,
+        extra=tuple(sorted(identity.items())),
     )
 
 

@@ -21,7 +21,7 @@ from kvtier.host_tier import host_empty
 from kvtier.keys import Namespace
 from kvtier.store import ChunkStore
 from kvtier.vllm.device import CopyStream
-from kvtier.vllm.layout import blocks_view, gather_blocks, scatter_blocks
+from kvtier.vllm.layout import Content, blocks_view, gather_blocks, scatter_blocks
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("kvtier")
@@ -45,7 +45,7 @@ class _LoadResult:
 
 class WorkerSide:
     def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
-                 kv_caches: dict[str, torch.Tensor], content: str, block_size: int) -> None:
+                 kv_caches: dict[str, torch.Tensor], content: Content, block_size: int) -> None:
         self.store = store
         self.namespace = namespace
         self.rank = namespace.tp_rank

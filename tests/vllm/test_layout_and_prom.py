@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.vllm.layout import (
-    BACKEND_CONTENT,
+    CONTENT_LAYOUTS,
     UnsupportedLayout,
     blocks_view,
     gather_blocks,
@@ -21,14 +21,17 @@ B, H, N, D = 6, 2, 32, 16
 
 def _k_and_v(kv: torch.Tensor, content: str, block: int, head: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one token, read the way the attention backend itself reads them."""
-    if content == "cpu":  # cpu_attn.py: view(B, H, 2N, D).chunk(2, dim=2)
+    if content == "cpu":  # cpu_attn.py: view(B, H, 2N, D).chunk(2, dim=2), K rows
         k, v = kv.view(B, H, 2 * N, D).chunk(2, dim=2)
         return k[block, head, token], v[block, head, token]
+    if content == "cpu_kt":  # the same regions, K stored [D, N] (the 'vec' kernels)
+        k, v = kv.reshape(B, H, 2, N * D).unbind(2)
+        return k.view(B, H, D, N)[block, head, :, token], v.view(B, H, N, D)[block, head, token]
     k, v = kv.transpose(1, 2).split(D, dim=-1)  # flash_attn.py / triton_attn.py
     return k[block, token, head], v[block, token, head]
 
 
-@pytest.mark.parametrize("content", sorted(set(BACKEND_CONTENT.values())))
+@pytest.mark.parametrize("content", CONTENT_LAYOUTS)
 def test_blocks_round_trip_through_the_canonical_layout(content: str) -> None:
     kv = torch.randn(B, H, N, 2 * D)
     view = blocks_view(kv, content, D)
@@ -43,6 +46,70 @@ def test_blocks_round_trip_through_the_canonical_layout(content: str) -> None:
     scatter_blocks(blocks_view(restored, content, D), [4, 1], out)
     assert torch.equal(restored[4], kv[4]) and torch.equal(restored[1], kv[1])
     assert not restored[[0, 2, 3, 5]].any()  # no other block touched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_layout_is_probed_and_read_right(dtype: torch.dtype) -> None:
+    """vLLM's own CPU cache-write op, with the kernel ISA vLLM picks on this machine: the
+    probed layout reads back exactly the K and V that were written. (kvtier used to assume
+    K rows for every ISA: self-consistent within the CPU backend, but the stored "canonical"
+    K was transposed or packed, wrong for any other backend and for offline warm-up.)"""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvtier.vllm.layout import probe_cpu_layout
+
+    isa = _get_attn_isa(dtype, N, 2 * D)
+
+    def write(key, value, key_cache, value_cache, slots):  # noqa: ANN001
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    content = probe_cpu_layout(write, N, 2 * D, dtype)
+    assert content is not None, isa  # 'vec' kernels: "cpu_kt"; 'amx' (bf16 here): a permutation
+    heads, dim, blocks = 2, 2 * D, 3
+    kv = torch.zeros(blocks, heads, N, 2 * dim, dtype=dtype)
+    key_cache, value_cache = kv.view(blocks, heads, 2 * N, dim).chunk(2, dim=2)
+    k, v = torch.randn(2, N, heads, dim).to(dtype)
+    write(k, v, key_cache, value_cache, torch.arange(N, 2 * N))  # tokens of block 1
+    out = torch.empty(2, N, heads, dim, dtype=dtype)
+    gather_blocks(blocks_view(kv, content, dim), [1], out)
+    assert torch.equal(out[0], k) and torch.equal(out[1], v)
+
+
+def _packed(key, value, key_cache, value_cache, slots):  # noqa: ANN001
+    """A kernel layout with no strided form: K as [D/2, N, 2] pairs, V as [N/2, D, 2]."""
+    n, _, d = key.shape
+    key_cache[0, 0].reshape(-1).copy_(key[:, 0].reshape(n, d // 2, 2).transpose(0, 1).reshape(-1))
+    value_cache[0, 0].reshape(-1).copy_(value[:, 0].reshape(n // 2, 2, d).transpose(1, 2).reshape(-1))
+
+
+def test_packed_cpu_layout_is_read_through_its_permutation() -> None:
+    from kvtier.vllm.layout import probe_cpu_layout
+
+    perm = probe_cpu_layout(_packed, N, D, torch.bfloat16)
+    assert isinstance(perm, torch.Tensor)
+    kv = torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16)
+    k, v = torch.randn(2, N, 1, D).to(torch.bfloat16)
+    for head in range(H):  # _packed writes block 0, head 0 of the caches it is given
+        key_cache, value_cache = kv[3:4, head:head + 1].view(1, 1, 2 * N, D).chunk(2, dim=2)
+        _packed(k, v, key_cache, value_cache, None)
+    out = torch.empty(2, N, H, D, dtype=torch.bfloat16)
+    gather_blocks(blocks_view(kv, perm, D), [3], out)
+    assert torch.equal(out[0, :, 1], k[:, 0]) and torch.equal(out[1, :, 1], v[:, 0])
+    restored = torch.zeros_like(kv)
+    scatter_blocks(blocks_view(restored, perm, D), [3], out)
+    assert torch.equal(restored, kv)
+
+
+def test_cpu_write_kvtier_cannot_invert_is_refused() -> None:
+    """A kernel that scales (quantizes) what it writes: no layout, the connector turns off."""
+    from kvtier.vllm.layout import probe_cpu_layout
+
+    def scaled(key, value, key_cache, value_cache, slots):  # noqa: ANN001
+        key_cache[0, 0].copy_(key[:, 0] * 0.5)
+        value_cache[0, 0].copy_(value[:, 0])
+
+    assert probe_cpu_layout(scaled, N, D, torch.float32) is None
 
 
 def test_layout_that_does_not_fit_is_refused() -> None:
