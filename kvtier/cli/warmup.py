@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvtier.cli._common import (
@@ -64,6 +68,21 @@ def _json_object(text: str, option: str) -> dict[str, Any]:
     return value
 
 
+@contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """vLLM (and its engine processes, which inherit fd 1) log to stdout: keep stdout for
+    kvtier's own summary."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.warmup import read_prompts, warmup
     from kvtier.warmup.hf_engine import WarmupRefused
@@ -90,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
             bar.update(task, completed=done, status=f"  {tokens:,} tokens  {chunks:,} chunks stored")
 
         try:
-            report = warmup(args.model, prompts, engine=args.engine, config=config, dtype=args.dtype,
-                            block_size=args.block_size, engine_args=engine_args, progress=on_progress)
+            with _stdout_to_stderr():
+                report = warmup(args.model, prompts, engine=args.engine, config=config, dtype=args.dtype,
+                                block_size=args.block_size, engine_args=engine_args, progress=on_progress)
         except WarmupRefused as exc:
             raise UsageError(str(exc)) from exc
     report.errors = [str(e) for e in errors] + report.errors

@@ -102,7 +102,8 @@ def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: s
                 ids = list(p.token_ids) if p.token_ids is not None else hf.tokenize(p.text or "")
                 extras = RequestExtras(cache_salt=p.cache_salt)
                 new = [c for c in cache.chunks(ids, extras) if not cache.store.count_present_prefix([c.key])]
-                cache.save(ids, hf.kv(ids), extras)
+                if new:  # already stored in full: no forward pass
+                    cache.save(ids, hf.kv(ids), extras)
             except hf_engine.WarmupRefused:
                 raise
             except Exception as exc:  # one prompt's failure does not stop the others
