@@ -16,7 +16,7 @@ import traceback
 import lmdb
 
 import kvtier
-from kvtier.cli import compact, evict, inspect, ls, stats, verify, warmup
+from kvtier.cli import compact, evict, inspect, ls, prefetch, stats, verify, warmup
 from kvtier.cli._common import NotFoundError, Parser, UsageError
 from kvtier.errors import ConfigError, KVTierError
 
@@ -28,6 +28,7 @@ examples:
   kvtier verify /data/kvcache                 check every checksum (exit 1 if corrupt)
   kvtier evict /data/kvcache --max-bytes 50G  drop least recently used chunks
   kvtier compact /data/kvcache                shrink an LMDB store's file (server stopped)
+  kvtier prefetch /data/kvcache --max-bytes 20G  read the hot records into the page cache
   kvtier warmup --model DIR --prompts P.jsonl store the KV of known prompts before traffic
 
 Run 'kvtier COMMAND --help' for each command's options and examples.
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (ls, stats, inspect, verify, evict, compact, warmup):
+    for module in (ls, stats, inspect, verify, evict, compact, prefetch, warmup):
         module.add_parser(sub)
     return parser
 

@@ -25,7 +25,7 @@ sys.exit(rc)
 
 
 @pytest.mark.parametrize("command", [["--help"], ["ls"], ["ls", "--json"], ["stats"], ["stats", "--json"], ["verify"],
-                                     ["evict", "--max-bytes", "1T", "--dry-run"]])
+                                     ["evict", "--max-bytes", "1T", "--dry-run"], ["prefetch", "--max-bytes", "1G"]])
 def test_read_only_commands_do_not_import_torch(built_stores: dict[str, Built], command: list[str]) -> None:
     for b in built_stores.values():
         args = command if command == ["--help"] else [command[0], str(b.path), *command[1:]]

@@ -1,0 +1,104 @@
+"""Cold start to first hit, with and without ``kvtier prefetch`` (side by side, one run).
+
+A store holds ``--gib`` of KV for ``--prompts`` long prompts (Llama-3-8B geometry per rank,
+bf16, 256-token chunks). For each backend, with the page cache dropped (as after a reboot):
+
+* **cold**: a fresh process opens the store and loads the most recently used prompt;
+* **prefetched**: ``kvtier prefetch STORE --max-bytes`` the hot set first (timed), then the
+  same fresh-process load.
+
+Needs root for ``/proc/sys/vm/drop_caches``; without it the rows say WARM.
+
+    .venv/bin/python benchmarks/prefetch_bench.py [--gib 2] [--prompts 8] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_common import GIB, drop_caches, fill_kv
+
+from kvtier import CacheConfig, KVCache, Namespace
+
+LAYERS, HEADS, DIM, CHUNK = 32, 8, 128, 256
+NS = Namespace(model="bench-llama-3-8b", weights_fingerprint="bench", dtype="bfloat16",
+               kv_shape=(LAYERS, 2, HEADS, DIM), chunk_tokens=CHUNK)
+LOAD = """
+import sys, time, json
+t0 = time.perf_counter()
+from kvtier import CacheConfig, KVCache, Namespace
+ns = Namespace(**json.loads(sys.argv[2]))
+with KVCache.open(sys.argv[1], ns, CacheConfig(path=sys.argv[1], backend=sys.argv[3], host_bytes=0), readonly=True) as c:
+    toks = json.loads(sys.argv[4])
+    t1 = time.perf_counter()
+    kv = c.load(toks)
+    t2 = time.perf_counter()
+print(json.dumps({"open_s": t1 - t0, "load_s": t2 - t1, "tokens": kv.shape[2]}))
+"""
+
+
+def build(root: Path, backend: str, gib: float, prompts: int) -> list[list[int]]:
+    chunk_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 2
+    per_prompt = max(1, int(gib * GIB / chunk_bytes / prompts)) * CHUNK
+    seqs = [[(p * 7919 + i) % 120_000 + 1 for i in range(per_prompt)] for p in range(prompts)]
+    cfg = CacheConfig(path=root, backend=backend, disk_bytes=int(4 * gib * GIB), host_bytes=0)
+    with KVCache.open(root, NS, cfg) as cache:
+        for p, toks in enumerate(seqs):  # written in order: the last prompt is the most recent
+            kv = fill_kv(torch.empty(LAYERS, 2, len(toks), HEADS, DIM, dtype=torch.bfloat16), seed=p)
+            cache.save(toks, kv)
+            cache.flush()
+    return seqs
+
+
+def load(root: Path, backend: str, toks: list[int]) -> dict[str, float]:
+    ns = {k: (list(v) if isinstance(v, tuple) else v) for k, v in NS.describe().items()}
+    ns["kv_shape"] = tuple(ns["kv_shape"])
+    ns["extra"] = ()
+    out = subprocess.run([sys.executable, "-c", LOAD, str(root), json.dumps(ns), backend, json.dumps(toks)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-prefetch-"))
+    kvtier = Path(sys.executable).parent / "kvtier"
+    rows = []
+    for backend in ("lmdb", "files"):
+        root = base / backend
+        seqs = build(root, backend, args.gib, args.prompts)
+        hot = seqs[-1]
+        hot_bytes = len(hot) * LAYERS * 2 * HEADS * DIM * 2
+        cold_ok = drop_caches()
+        cold = load(root, backend, hot)
+        drop_caches()
+        t0 = time.perf_counter()
+        subprocess.run([str(kvtier), "prefetch", str(root), "--max-bytes", str(int(hot_bytes * 1.05)), "--json"],
+                       check=True, capture_output=True)
+        prefetch_s = time.perf_counter() - t0
+        warm = load(root, backend, hot)
+        rows.append((backend, hot_bytes, cold_ok, cold, prefetch_s, warm))
+    print(f"store: {args.gib} GiB in {args.prompts} prompts per backend; first hit = the most recent "
+          f"prompt ({rows[0][1] / GIB:.2f} GiB), loaded by a fresh process")
+    print("| backend | first load, cold | kvtier prefetch | first load after prefetch | speed-up of the load |")
+    print("|---|---|---|---|---|")
+    for backend, nbytes, cold_ok, cold, prefetch_s, warm in rows:
+        tag = "" if cold_ok else " (WARM: no root)"
+        print(f"| {backend} | {cold['load_s']:.3f} s ({nbytes / GIB / cold['load_s']:.2f} GiB/s){tag} "
+              f"| {prefetch_s:.3f} s | {warm['load_s']:.3f} s ({nbytes / GIB / warm['load_s']:.2f} GiB/s) "
+              f"| {cold['load_s'] / warm['load_s']:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""prefetch reads (and verifies) the most recently used records up to a budget, deletes
+nothing, and counts what fails verification. (Its effect on the page cache is measured in
+benchmarks/prefetch_bench.py, not asserted.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from clihelpers import Built, cli, corrupt, entries, run_main
+
+from kvtier.backends import EntryInfo
+from kvtier.cli.prefetch import most_recent
+
+
+def test_most_recent_first_within_the_budget() -> None:
+    es = [EntryInfo(bytes([i]) * 32, size, atime, b"n" * 16)
+          for i, (size, atime) in enumerate([(10, 5), (20, 9), (30, 7), (40, 1)])]
+    assert [e.atime_ns for e in most_recent(es, 55)] == [9, 7]  # 20 + 30; the next 10 would pass 55
+    assert [e.atime_ns for e in most_recent(es, 60)] == [9, 7, 5]
+    assert [e.atime_ns for e in most_recent(es, 1000)] == [9, 7, 5, 1]
+    assert most_recent(es, 5) == []
+
+
+def test_prefetch_reads_the_budget_and_counts_corruption(fresh_store: Built,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    b = fresh_store
+    before = entries(b.path, b.backend)
+    everything = cli("prefetch", b.path, "--max-bytes", "1G", "--json")
+    assert everything.returncode == 0, everything.stderr
+    rep = json.loads(everything.stdout)
+    assert rep["records"] == b.total_chunks and rep["corrupt_or_unreadable"] == 0
+    assert rep["bytes"] == sum(size for size, _ in before.values())
+    # A budget of about half: exactly the records most_recent picks, no more bytes than asked.
+    half = rep["bytes"] // 2
+    part = json.loads(run_main(capsys, "prefetch", b.path, "--max-bytes", str(half), "--json").stdout)
+    assert 0 < part["bytes"] <= half and part["records"] < b.total_chunks
+    # One corrupt record among those read: counted, reported, not deleted.
+    key = max(before, key=lambda k: (before[k][1], k))  # the most recently used
+    corrupt(b.path, b.backend, key, "payload")
+    bad = json.loads(run_main(capsys, "prefetch", b.path, "--max-bytes", "1G", "--json").stdout)
+    assert bad["corrupt_or_unreadable"] == 1 and bad["records"] == b.total_chunks - 1
+    table = run_main(capsys, "prefetch", b.path, "--max-bytes", "1G")
+    assert table.returncode == 0 and "1 record(s) failed verification" in table.stdout
+    assert set(entries(b.path, b.backend)) == set(before)
+
+
+def test_prefetch_bad_budget_is_a_usage_error(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_main(capsys, "prefetch", fresh_store.path, "--max-bytes", "lots")
+    assert r.returncode == 2 and r.stderr.startswith("kvtier: error: --max-bytes")
