@@ -14,6 +14,7 @@ settings stops start-up, with a message naming the setting.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -112,6 +113,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self.disabled_reason: str | None = None
+        self.prefetch: Future[int] | None = None  # the start-up prefetch into the host tier
         # When the worker side is off but the scheduler side planned loads/saves, the worker
         # still answers: loads fail (vLLM recomputes).
         self._orphan_loads: set[str] = set()
@@ -220,6 +222,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return
+        if self.settings.prefetch_bytes and self._can_load:
+            self.prefetch = self._store.prefetch_recent(ns.id, self.settings.prefetch_bytes)
 
     def _disable_worker(self, reason: str) -> None:
         self.disabled_reason = reason

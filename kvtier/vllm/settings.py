@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
+from kvtier.units import parse_size
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -30,6 +31,9 @@ class ConnectorSettings:
     # Load in the background between steps (other requests keep running) or synchronously
     # before the step's forward pass (lowest time to first token for a lone request).
     load_async: bool = True
+    # At start-up, load up to this many bytes of this server's most recently used chunks
+    # into the host tier in the background (0: off). At most host_bytes.
+    prefetch_bytes: int = 0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -50,5 +54,10 @@ class ConnectorSettings:
         load_async = mine.get("load_async", True)
         if not isinstance(load_async, bool):
             raise ConfigError(f"load_async: must be true or false, got {load_async!r}")
+        prefetch = parse_size(mine.get("prefetch_bytes", 0), "prefetch_bytes")
+        if prefetch > cache.host_bytes:
+            raise ConfigError(
+                f"prefetch_bytes: {prefetch} bytes is more than host_bytes ({cache.host_bytes}); "
+                "prefetched chunks are kept in the host tier, so raise host_bytes or lower prefetch_bytes")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
-                   save_partial_chunks=partial, load_async=load_async)
+                   save_partial_chunks=partial, load_async=load_async, prefetch_bytes=prefetch)

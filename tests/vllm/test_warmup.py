@@ -112,3 +112,26 @@ def test_models_transformers_cannot_match_are_refused(tiny_model: Path, tmp_path
     err = capsys.readouterr().err
     assert rc == 2 and "rope type 'yarn'" in err and "--engine vllm" in err
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.kvt"))
+
+
+def test_prefetch_bytes_serves_first_hits_from_host_memory(tiny_model: Path, store_dir: Path,
+                                                           baseline: list) -> None:
+    """A restarted server with prefetch_bytes loads its most recently used chunks into the
+    host tier in the background; its first requests then hit memory, not the disk."""
+    with Engine(tiny_model, kv_transfer_config(store_dir), **F32) as e:
+        e.generate(PROMPTS, max_tokens=1)
+        e.worker_connector._store.flush()
+    runs = {}
+    for prefetch in (None, "4M"):
+        extra = {"prefetch_bytes": prefetch} if prefetch else {}
+        with Engine(tiny_model, kv_transfer_config(store_dir, **extra), **F32) as e:
+            if prefetch:
+                assert e.worker_connector.prefetch.result(timeout=120) == 5  # every chunk of both prompts
+            else:
+                assert e.worker_connector.prefetch is None
+            got = e.generate(PROMPTS, max_tokens=8, logprobs=True)
+            runs[prefetch] = e.worker_connector._store.counters.snapshot()
+        assert [r.tokens for r in got] == [r.tokens for r in baseline]
+        assert [r.num_cached_tokens for r in got] == [_hits(len(p)) for p in PROMPTS]
+    assert runs[None]["hits_disk"] >= 4 and runs[None]["hits_host"] == 0
+    assert runs["4M"]["hits_host"] >= 4 and runs["4M"]["hits_disk"] == 5  # the 5 reads were the prefetch
