@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -11,11 +10,6 @@ import pytest
 # In-process engines: seconds to start instead of tens of seconds (see the brief).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "kvtier-tests-inductor"))
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import tokens
+from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
 from kvtier.vllm.stats import KVTierStats

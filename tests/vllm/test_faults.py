@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import tokens
+from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
 

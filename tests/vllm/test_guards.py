@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tokens
+from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
 from kvtier.vllm.compat import unsupported_setting, version_problem

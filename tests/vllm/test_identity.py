@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tokens
+from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
 from kvtier.testing.tiny_model import make_tiny_lora

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from conftest import tokens
+from enginehelpers import tokens
 
 from kvtier import CacheConfig, ChunkStore, Namespace
 from kvtier.keys import as_token_array, chain_seed, chunk_keys

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import tokens
+from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
 from kvtier.warmup import warmup
