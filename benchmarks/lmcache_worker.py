@@ -13,7 +13,8 @@ Started by ``storage_bench.py`` as ``python lmcache_worker.py MODE JSON_PARAMS``
 - ``lookup``: a full ``LMCacheEngine`` (MockGPUConnector: moves no KV, which a lookup does
   not need) with the disk backend; stores a prompt, then times ``engine.lookup(tokens)``.
 
-See /work/shared/reference/lmcache-on-cpu.md for how LMCache is driven on the CPU.
+LMCache's vLLM connector refuses the CPU backend, so its disk backend is driven here through
+its storage manager and engine directly (see docs/benchmarks.md).
 """
 
 from __future__ import annotations

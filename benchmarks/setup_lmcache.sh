@@ -4,7 +4,7 @@
 #
 # Order matters: the CPU build of torch first, so that pip keeps it when it resolves
 # lmcache's unpinned `torch` requirement (otherwise it pulls the multi-GB CUDA build).
-# See /work/shared/reference/lmcache-on-cpu.md. About 2-3 minutes, about 1.9 GB.
+# About 2-3 minutes, about 1.9 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LMCACHE_VENV:-.venv-lmcache}
