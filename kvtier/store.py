@@ -23,6 +23,7 @@ import torch
 
 from kvtier import codec
 from kvtier.backends import MARKER, Backend, PutItem, StoreLock, open_backend
+from kvtier.backends.base import most_recent
 from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError
 from kvtier.host_tier import HostTier
@@ -345,16 +346,9 @@ class ChunkStore:
         ``max_bytes`` of records (and the host tier's budget), into the host tier; the future
         gives how many loaded. For a server's start-up, so its first hits come from memory."""
         def run() -> int:
-            budget = min(max_bytes, self.host.budget)
-            mine = sorted((e for e in self.backend.entries() if e.namespace_id == namespace_id),
-                          key=lambda e: -e.atime_ns)
-            keys, total = [], 0
-            for e in mine:
-                if total + e.size > budget:
-                    break
-                keys.append(e.key)
-                total += e.size
-            return sum(self.get(k) is not None for k in keys)
+            mine = (e for e in self.backend.entries() if e.namespace_id == namespace_id)
+            chosen = most_recent(mine, min(max_bytes, self.host.budget))
+            return sum(self.get(e.key) is not None for e in chosen)
 
         return self._loads.submit(run)
 

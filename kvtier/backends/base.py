@@ -48,6 +48,18 @@ class EntryInfo:
     namespace_id: bytes
 
 
+def most_recent(entries: Iterable[EntryInfo], max_bytes: int) -> list[EntryInfo]:
+    """The most recently used entries, newest first, as long as their sizes add up to at most
+    ``max_bytes`` (what prefetching reads first)."""
+    chosen, total = [], 0
+    for e in sorted(entries, key=lambda e: (-e.atime_ns, e.key)):
+        if total + e.size > max_bytes:
+            break
+        chosen.append(e)
+        total += e.size
+    return chosen
+
+
 class Backend(abc.ABC):
     """A persistent tier. Thread-safe; one instance per process and store directory."""
 

@@ -140,5 +140,12 @@ def add_store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", metavar="STORE", help="the store directory (the path a kvtier cache was opened on)")
 
 
+def add_namespace_filters(p: argparse.ArgumentParser) -> None:
+    """``--namespace`` and ``--model`` (repeatable), resolved by ``_store.resolve_namespaces``."""
+    p.add_argument("--namespace", metavar="HEXPREFIX", action="append",
+                   help="only this namespace (hex id or unique prefix from 'kvtier ls'); repeatable")
+    p.add_argument("--model", metavar="NAME", action="append", help="only namespaces of this model; repeatable")
+
+
 def add_json_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")

@@ -15,6 +15,7 @@ from kvtier.cli._common import (
     UsageError,
     add_command,
     add_json_arg,
+    add_namespace_filters,
     ago,
     line,
     print_json,
@@ -54,9 +55,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-bytes", metavar="SIZE", help="evict LRU chunks until at most SIZE remain (e.g. 50G, 512M)")
     p.add_argument("--older-than", metavar="AGE", help="evict chunks not used for AGE (e.g. 90m, 12h, 7d, 2w)")
     p.add_argument("--all", action="store_true", help="evict every chunk (of the chosen namespaces/models)")
-    p.add_argument("--namespace", metavar="HEXPREFIX", action="append",
-                   help="only this namespace (hex id or unique prefix from 'kvtier ls'); repeatable")
-    p.add_argument("--model", metavar="NAME", action="append", help="only namespaces of this model; repeatable")
+    add_namespace_filters(p)
     p.add_argument("--dry-run", action="store_true", help="show what would be removed; remove nothing")
     add_json_arg(p)
 

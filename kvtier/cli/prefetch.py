@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from rich.markup import escape
 
-from kvtier.backends import EntryInfo
+from kvtier.backends.base import most_recent
 from kvtier.cli._common import (
     add_command,
     add_json_arg,
+    add_namespace_filters,
     line,
     print_json,
     progress,
@@ -61,21 +62,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "that a server's first hits after a reboot come from memory.",
         epilog=EPILOG, run=run)
     p.add_argument("--max-bytes", metavar="SIZE", required=True, help="how much to read (e.g. 20G, 512M)")
-    p.add_argument("--namespace", metavar="HEXPREFIX", action="append",
-                   help="only this namespace (hex id or unique prefix from 'kvtier ls'); repeatable")
-    p.add_argument("--model", metavar="NAME", action="append", help="only namespaces of this model; repeatable")
+    add_namespace_filters(p)
     add_json_arg(p)
-
-
-def most_recent(entries: list[EntryInfo], max_bytes: int) -> list[EntryInfo]:
-    """The most recently used entries whose sizes add up to at most ``max_bytes``."""
-    chosen, total = [], 0
-    for e in sorted(entries, key=lambda e: (-e.atime_ns, e.key)):
-        if total + e.size > max_bytes:
-            break
-        chosen.append(e)
-        total += e.size
-    return chosen
 
 
 def run(args: argparse.Namespace) -> int:

@@ -155,8 +155,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     f"{name}: {getattr(self.settings.cache, name)} bytes is smaller than one chunk of "
                     f"this model ({chunk_bytes} bytes); raise it or lower chunk_tokens")
         self._geometry = geometry
-        # Before the worker loads the model (which may touch the config): the scheduler and
-        # every worker must derive the same namespace.
+        # Once per process. vLLM creates connectors after loading the model, which may touch a
+        # worker's copy of the config, so records take the scheduler's namespace ids from the
+        # step metadata rather than this process's own.
         self._identity = model_identity(vllm_config)
         # Open the store first: the weights-fingerprint cache lives inside it.
         self._store = ChunkStore(self.settings.cache)

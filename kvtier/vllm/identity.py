@@ -67,28 +67,24 @@ def model_fingerprint(vllm_config: Any, user_fingerprint: str | None, cache_file
     mc, lc = vllm_config.model_config, vllm_config.load_config
     revision = getattr(mc, "revision", None)
     fmt = load_format_name(lc)
-    dummy = None
     if fmt == "dummy" and not user_fingerprint:
         # Generated from a fixed seed by this vLLM version's initializer, from the config.
         import vllm
 
-        dummy = f"dummy:vllm-{vllm.__version__}:{config_digest(getattr(mc, 'hf_config', None))}"
+        return f"dummy:vllm-{vllm.__version__}:{config_digest(getattr(mc, 'hf_config', None))}"
     return weights_identity(
         str(mc.model), load_format=fmt, user_fingerprint=user_fingerprint, cache_file=cache_file,
         revision=getattr(revision, "resolved", None) or (str(revision) if revision else None),
         download_dir=getattr(lc, "download_dir", None),
-        streamed_from=getattr(mc, "model_weights", None), dummy=dummy)
+        streamed_from=getattr(mc, "model_weights", None))
 
 
 def weights_identity(model: str, *, load_format: str = "auto", user_fingerprint: str | None = None,
                      cache_file: Path | None = None, revision: str | None = None,
-                     download_dir: str | None = None, streamed_from: str | None = None,
-                     dummy: str | None = None) -> str:
+                     download_dir: str | None = None, streamed_from: str | None = None) -> str:
     """The one rule for a weights fingerprint (the connector's and offline warm-up's)."""
     if user_fingerprint:
         return user_fingerprint
-    if load_format == "dummy" and dummy:
-        return dummy
     if streamed_from:
         # An object-store model: vLLM copied only its config files to a local directory.
         raise IdentityUnavailable(

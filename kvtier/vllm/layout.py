@@ -69,17 +69,15 @@ def blocks_view(kv_layer: torch.Tensor, content: Content, head_dim: int) -> Laye
     if c != 2 * head_dim:
         raise UnsupportedLayout(f"content size {c} is not 2 * head_dim ({2 * head_dim})")
     try:
-        if isinstance(content, torch.Tensor):
-            if kv_layer.stride(3) != 1 or kv_layer.stride(2) != c or content.numel() != n * c:
-                raise UnsupportedLayout("CPU KV blocks are not contiguous per head")
-            flat = torch.as_strided(kv_layer, (b, h, n * c), (kv_layer.stride(0), kv_layer.stride(1), 1),
-                                    kv_layer.storage_offset())
-            return PermutedBlocks(flat, content.to(kv_layer.device), n, head_dim)
-        if content in ("cpu", "cpu_kt"):
-            # Per block and head the memory is [2, N, D]; needs [N, C] contiguous per (block, head).
-            if kv_layer.stride(3) != 1 or kv_layer.stride(2) != c:
+        permuted = isinstance(content, torch.Tensor)
+        if permuted or content in ("cpu", "cpu_kt"):
+            # Per block and head the memory is one region of N * C elements (K's, then V's).
+            if kv_layer.stride(3) != 1 or kv_layer.stride(2) != c or (permuted and content.numel() != n * c):
                 raise UnsupportedLayout("CPU KV blocks are not contiguous per head")
             sb, sh, off = kv_layer.stride(0), kv_layer.stride(1), kv_layer.storage_offset()
+            if permuted:
+                flat = torch.as_strided(kv_layer, (b, h, n * c), (sb, sh, 1), off)
+                return PermutedBlocks(flat, content.to(kv_layer.device), n, head_dim)
             if content == "cpu":
                 v = torch.as_strided(kv_layer, (b, h, 2, n, head_dim), (sb, sh, n * head_dim, head_dim, 1), off)
                 return (v.permute(0, 2, 3, 1, 4),)

@@ -48,7 +48,8 @@ class _Request:
 
 class SchedulerSide:
     def __init__(self, store: ChunkStore, namespaces: list[Namespace], block_size: int,
-                 loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool, load_async: bool = True) -> None:
+                 loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool,
+                 load_async: bool = True) -> None:
         self.store = store
         self.namespaces = namespaces  # one per tensor-parallel rank
         self.namespace_ids = tuple(ns.id for ns in namespaces)

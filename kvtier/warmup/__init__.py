@@ -123,13 +123,11 @@ def _run_vllm(model: str, prompts: list[Prompt], config: dict[str, Any], setting
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvtier.store import ChunkStore
-
     extra = {**config, "path": str(settings.cache.path)}  # the connector's default path, made explicit
     ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_producer",
                            kv_connector_module_path="kvtier.vllm.connector", kv_connector_extra_config=extra)
     kwargs = {"dtype": dtype, "block_size": block_size, **engine_args}
-    records_before = _records(ChunkStore, settings)
+    records_before = _records(settings)
     llm = LLM(model=model, kv_transfer_config=ktc, **kwargs)
     try:
         params = SamplingParams(max_tokens=1, temperature=0)
@@ -151,16 +149,18 @@ def _run_vllm(model: str, prompts: list[Prompt], config: dict[str, Any], setting
     finally:
         llm.llm_engine.engine_core.shutdown()  # flushes the connector's store
         del llm
-    report.chunks_stored = _records(ChunkStore, settings) - records_before
+    report.chunks_stored = _records(settings) - records_before
     progress(report.prompts, report.tokens, report.chunks_stored)
 
 
-def _records(chunk_store: Any, settings: Any) -> int:
-    st = chunk_store(settings.cache)
+def _records(settings: Any) -> int:
+    from kvtier.backends import open_backend
+
+    backend = open_backend(settings.cache)  # only counts: no writer thread, no host tier
     try:
-        return st.backend.usage()[0]
+        return backend.usage()[0]
     finally:
-        st.close()
+        backend.close()
 
 
 __all__ = ["ENGINES", "Prompt", "PromptError", "WarmupReport", "read_prompts", "warmup"]

@@ -10,7 +10,7 @@ import pytest
 from clihelpers import Built, cli, corrupt, entries, run_main
 
 from kvtier.backends import EntryInfo
-from kvtier.cli.prefetch import most_recent
+from kvtier.backends.base import most_recent
 
 
 def test_most_recent_first_within_the_budget() -> None:
@@ -34,7 +34,9 @@ def test_prefetch_reads_the_budget_and_counts_corruption(fresh_store: Built,
     # A budget of about half: exactly the records most_recent picks, no more bytes than asked.
     half = rep["bytes"] // 2
     part = json.loads(run_main(capsys, "prefetch", b.path, "--max-bytes", str(half), "--json").stdout)
-    assert 0 < part["bytes"] <= half and part["records"] < b.total_chunks
+    expect = most_recent([EntryInfo(k, size, atime, b"") for k, (size, atime) in before.items()], half)
+    assert part["records"] == len(expect) < b.total_chunks
+    assert 0 < part["bytes"] == sum(e.size for e in expect) <= half
     # One corrupt record among those read: counted, reported, not deleted.
     key = max(before, key=lambda k: (before[k][1], k))  # the most recently used
     corrupt(b.path, b.backend, key, "payload")

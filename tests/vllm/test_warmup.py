@@ -60,6 +60,23 @@ def test_warmup_then_serve_hits_with_identical_output(tiny_model: Path, tmp_path
     print(f"{engine} warm-up: max |logprob difference| {worst:.2e}")
 
 
+def test_warmup_again_stores_nothing_and_computes_nothing(tiny_model: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.warmup import hf_engine
+
+    store = tmp_path / "store"
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in PROMPTS])
+    first = warmup(str(tiny_model), prompts, engine="transformers", config={"path": str(store)}, block_size=32, **F32)
+    assert first.chunks_stored == 5
+
+    def no_forward(self: object, token_ids: list[int]) -> None:
+        raise AssertionError("a fully stored prompt ran a forward pass")
+
+    monkeypatch.setattr(hf_engine.HFModel, "kv", no_forward)
+    again = warmup(str(tiny_model), prompts, engine="transformers", config={"path": str(store)}, block_size=32, **F32)
+    assert again.errors == [] and again.prompts == 2 and again.chunks_stored == 0
+
+
 def test_salted_warmup_is_seen_only_with_that_salt(tiny_model: Path, tmp_path: Path, baseline: list) -> None:
     store = tmp_path / "store"
     prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": p, "cache_salt": "tenant-a"} for p in PROMPTS])
