@@ -77,6 +77,9 @@ class FilesBackend(Backend):
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._index: dict[bytes, tuple[int, int]] = {}  # key -> (size, last use ns)
+        # Keys removed while the start-up scan runs: the scan may have listed them before
+        # they went, and must not bring them back into the index.
+        self._gone: set[bytes] = set()
         self._bytes = 0
         self._buf = ThreadBuffer()
         self._abuf = AlignedThreadBuffer()
@@ -118,9 +121,11 @@ class FilesBackend(Backend):
                 continue
         with self._lock:
             for k, v in found.items():
-                self._index.setdefault(k, v)
+                if k not in self._gone:
+                    self._index.setdefault(k, v)
+            self._gone.clear()
             self._bytes = sum(v[0] for v in self._index.values())
-        self._scanned.set()
+            self._scanned.set()
 
     def _walk(self) -> Iterator[tuple[Path, os.stat_result]]:
         if not self._data.is_dir():
@@ -193,6 +198,7 @@ class FilesBackend(Backend):
                 old = self._index.get(it.key)
                 self._bytes += it.size - (old[0] if old else 0)
                 self._index[it.key] = (it.size, now)
+                self._gone.discard(it.key)
 
     async def _write_temps(self, items: list[PutItem]) -> list[str]:
         # One staging buffer per concurrent O_DIRECT writer: at most io_threads records are
@@ -308,21 +314,24 @@ class FilesBackend(Backend):
             except FileNotFoundError:
                 size = 0
             freed += size
-            with self._lock:
-                old = self._index.pop(k, None)
-                if old:
-                    self._bytes -= old[0]
+            self._forget(k)
         return freed
+
+    def _forget(self, key: bytes) -> None:
+        """Drop ``key`` from the index (its file is gone)."""
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old:
+                self._bytes -= old[0]
+            if not self._scanned.is_set():
+                self._gone.add(key)
 
     # -- reads -------------------------------------------------------------------
     def read(self, key: bytes, fn: Callable[[memoryview], T]) -> T | None:
         try:
             fd, direct = self._open_read(self._path(key))
         except FileNotFoundError:
-            with self._lock:
-                old = self._index.pop(key, None)
-                if old:
-                    self._bytes -= old[0]
+            self._forget(key)
             return None
         try:
             size = os.fstat(fd).st_size
