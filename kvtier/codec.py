@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from kvtier.errors import IncompatibleRecord, RecordError
+from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
 from kvtier.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_ID_BYTES
 
 if TYPE_CHECKING:  # torch is imported only where tensors are made: the CLI reads headers without it
@@ -34,6 +34,7 @@ _FIXED = struct.Struct("<8sHHBBBBIQQQQ32s16s16s")
 _U64 = struct.Struct("<Q")
 MAX_NDIM = 8
 MAX_HEADER_BYTES = _FIXED.size + 8 * MAX_NDIM + 8
+_MAX_DIM = 1 << 48  # no tensor dimension is larger (256 Ti elements)
 
 CODEC_RAW = 0
 CODEC_ZSTD = 1  # zstandard over byte planes (shuffled) for multi-byte dtypes
@@ -151,11 +152,15 @@ def encode(
     return head + _U64.pack(xxhash.xxh3_64_intdigest(head)), payload
 
 
-def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30) -> RecordHeader:
+def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30,
+                  record_len: int | None = None) -> RecordHeader:
     """Parse and validate a header against the buffer it came from.
 
-    ``buf`` may be just the header (then payload length is not checked against it) or
-    the whole record. Raises :class:`RecordError` for anything malformed.
+    ``buf`` may be just the header (then its payload length is checked against
+    ``record_len`` if given) or the whole record. Raises :class:`RecordError` for anything
+    malformed or inconsistent (proven corrupt), :class:`IncompatibleRecord` for an intact
+    header of another format version, and :class:`RecordTooLarge` for an intact,
+    consistent record over ``max_record_bytes`` (another process may have a higher limit).
     """
     mv = memoryview(buf).cast("B")
     if len(mv) < _FIXED.size + 8:
@@ -175,19 +180,24 @@ def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30) -
         raise RecordError("unknown codec, dtype or layout code")
     shape = tuple(_U64.unpack_from(mv, _FIXED.size + 8 * i)[0] for i in range(ndim))
     dtype, itemsize = DTYPE_INFO[dtype_code]
+    # Consistency first (exact integers, no overflow): a record whose parts disagree is corrupt.
+    if any(d > _MAX_DIM for d in shape):  # no tensor has it, even beside a zero dimension
+        raise RecordError(f"shape {shape} has an impossible dimension")
     n_items = 1
     for d in shape:
-        if d > max_record_bytes:  # also with a zero dimension beside it (no tensor has it)
-            raise RecordError(f"shape {shape} has a dimension beyond max_record_bytes ({max_record_bytes})")
         n_items *= d
-        if n_items * itemsize > max_record_bytes:
-            raise RecordError(f"shape {shape} exceeds max_record_bytes ({max_record_bytes})")
     if n_items * itemsize != raw_len:
         raise RecordError(f"shape {shape} of {dtype} does not match raw length {raw_len}")
-    if payload_len > max_record_bytes or (codec == CODEC_RAW and payload_len != raw_len):
+    if codec == CODEC_RAW and payload_len != raw_len:
         raise RecordError(f"implausible payload length {payload_len}")
-    if len(mv) > header_len and len(mv) != header_len + payload_len:
-        raise RecordError(f"record is {len(mv)} bytes, header says {header_len + payload_len}")
+    if len(mv) > header_len:
+        record_len = len(mv)
+    if record_len is not None and record_len != header_len + payload_len:
+        raise RecordError(f"record is {record_len} bytes, header says {header_len + payload_len}")
+    # Only then the limit: an intact record over it is another process's, not damage.
+    if raw_len > max_record_bytes or payload_len > max_record_bytes:
+        raise RecordTooLarge(f"record holds {max(raw_len, payload_len)} bytes, over max_record_bytes "
+                             f"({max_record_bytes}); skipped, not deleted (raise max_record_bytes to read it)")
     return RecordHeader(version, header_len, codec, dtype, LAYOUTS[layout_code], shape, num_tokens,
                         token_start, created_ns, raw_len, payload_len, key, ns_id, checksum)
 

@@ -44,6 +44,7 @@ class CacheConfig:
     io_threads: int = 4
     commit_bytes: int | str = "256M"
     max_record_bytes: int | str = "1G"
+    close_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +94,9 @@ class CacheConfig:
             raise ConfigError("write_queue_bytes: must be above 0 (and hold at least one chunk), e.g. 256M")
         if self.commit_bytes == 0:
             raise ConfigError("commit_bytes: must be above 0 (e.g. 64M)")
+        if isinstance(self.close_timeout_s, bool) or not isinstance(self.close_timeout_s, int | float) \
+                or not self.close_timeout_s > 0:
+            raise ConfigError(f"close_timeout_s: must be a number of seconds above 0, got {self.close_timeout_s!r}")
         if self.max_record_bytes < 4096:
             raise ConfigError("max_record_bytes: must be at least 4K")
 

@@ -29,3 +29,8 @@ class RecordError(KVTierError):
 
 class IncompatibleRecord(RecordError):
     """A record is intact but of another record-format version: treated as a miss."""
+
+
+class RecordTooLarge(KVTierError):
+    """An intact record is larger than this process's ``max_record_bytes``: skipped (a miss),
+    never deleted, since another process with a higher limit wrote it and can read it."""

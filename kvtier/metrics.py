@@ -18,10 +18,12 @@ class Counters:
     dropped_saves: int = 0
     corrupt_records: int = 0
     incompatible_records: int = 0
+    oversized_records: int = 0  # intact, over this process's max_record_bytes: skipped, kept
     io_errors: int = 0
     evicted_host: int = 0
     evicted_disk: int = 0
     evicted_disk_bytes: int = 0
+    orphans_removed: int = 0  # payloads no index entry named (a killed writer's leftovers)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

@@ -2,37 +2,53 @@
 
 Saves are write-behind: ``put`` puts the chunk in the host tier and on a bounded queue and
 returns at once; a writer thread encodes queued chunks and commits them in batches (group
-commit), then evicts the persistent tier down to its budget. When the queue is full, a save
-is dropped and counted rather than blocking the caller. Loads check the host tier, then the
-queue, then the backend; a record that fails validation is a miss (and is removed), never
-an exception. Nothing here raises into a serving loop for a storage fault.
+commit); the commit itself evicts, across every process's records, down to the store's
+budget. When the queue is full, a save is dropped and counted rather than blocking the
+caller. Loads check the host tier, then the queue, then the backend, and say what happened
+(:class:`Outcome`): only a record proven corrupt is removed. Nothing here raises into a
+serving loop for a storage fault.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
-from kvtier import codec
-from kvtier.backends import MARKER, Backend, PutItem, StoreLock, open_backend
-from kvtier.backends.base import most_recent
+from kvtier import codec, forksafe
+from kvtier.backends import MARKER, Backend, PutItem, StoreLock, adopt_settings, open_backend
+from kvtier.backends.base import EntryInfo, most_recent
 from kvtier.config import CacheConfig
-from kvtier.errors import IncompatibleRecord, RecordError
+from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
 from kvtier.host_tier import HostTier
 from kvtier.metrics import Counters
 
 log = logging.getLogger("kvtier")
 
-# Evict down to this fraction of the disk budget, so eviction runs in batches, not per save.
-EVICT_LOW_WATERMARK = 0.9
+
+class Outcome(Enum):
+    """What a load found. Only ``CORRUPT`` (a checksum or structure proven wrong) deletes."""
+
+    HIT = "hit"
+    MISS = "miss"  # not stored (or evicted meanwhile)
+    CORRUPT = "corrupt"
+    INCOMPATIBLE = "incompatible"  # intact, another record-format version: kept
+    TOO_LARGE = "too_large"  # intact, over this process's max_record_bytes: kept
+    IO_ERROR = "io_error"
+
+
+@dataclass
+class Loaded:
+    outcome: Outcome
+    tensor: torch.Tensor | None = None
+    why: str = ""
 
 
 @dataclass
@@ -42,6 +58,8 @@ class _Pending:
     namespace_id: bytes
     token_start: int
     num_tokens: int
+    group: bytes | None
+    parent: bytes | None
 
     @property
     def nbytes(self) -> int:
@@ -56,7 +74,7 @@ def _stores_after_fork_in_child() -> None:
         store._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_stores_after_fork_in_child)
+forksafe.register(forksafe.STORE, after_in_child=_stores_after_fork_in_child)
 
 
 class _RateLimitedLog:
@@ -101,6 +119,13 @@ class ChunkStore:
             except BaseException:
                 self.backend.close()
                 raise
+        if not readonly:
+            try:
+                adopt_settings(self.backend, config)
+            except BaseException:
+                self.backend.close()
+                self._lock.release()
+                raise
         self.host = HostTier(config.host_bytes)
         self._pending: dict[bytes, _Pending] = {}
         self._queue: list[_Pending] = []
@@ -113,6 +138,7 @@ class ChunkStore:
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         if not readonly:
             self._writer.start()
+            self._loads.submit(self._sweep_orphans)
         _LIVE_STORES.add(self)
 
     def _after_fork_in_child(self) -> None:
@@ -133,15 +159,18 @@ class ChunkStore:
 
     # -- saves ---------------------------------------------------------------------
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
-            num_tokens: int) -> bool:
+            num_tokens: int, group: bytes | None = None, parent: bytes | None = None) -> bool:
         """Queue a chunk for the persistent tier (and keep it in the host tier).
 
-        The store takes ownership of ``tensor`` (a CPU tensor; do not modify it afterwards).
-        Returns False if the save was dropped because the write queue is full or closed.
+        ``parent`` is the key of the chunk this one extends (None for a chain's first chunk)
+        and ``group`` the chunk's rank-0 key under tensor parallelism: eviction keeps chains
+        and rank tuples whole with them. The store takes ownership of ``tensor`` (a CPU
+        tensor; do not modify it afterwards). Returns False if the save was dropped because
+        the write queue is full or closed.
         """
         if self.readonly:
             raise RuntimeError("store opened read-only")
-        item = _Pending(key, tensor, namespace_id, token_start, num_tokens)
+        item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent)
         with self._cv:
             if self._closed or key in self._pending:
                 return not self._closed
@@ -214,41 +243,58 @@ class ChunkStore:
                 p.tensor, key=p.key, namespace_id=p.namespace_id, token_start=p.token_start,
                 num_tokens=p.num_tokens, compression=self.config.compression,
                 level=self.config.compression_level)
-            items.append(PutItem(p.key, header, payload, p.namespace_id))
+            items.append(PutItem(p.key, header, payload, p.namespace_id, p.group, p.parent,
+                                 p.token_start, p.num_tokens))
         try:
-            self.backend.put_many(items)
-        except Exception as exc:  # OSError (disk full, I/O), lmdb.MapFullError, ...
+            res = self.backend.put_many(items)
+        except Exception as exc:  # the index commit failed (disk full, I/O, ...)
             self.counters.add(dropped_saves=len(batch), io_errors=1)
             self._warn.warning("save", "kvtier: saving %d chunks failed (%s); they stay uncached",
                                len(batch), exc)
             return
-        self.counters.add(saves_committed=len(batch), bytes_saved=sum(i.size for i in items))
-        _, used = self.backend.usage()
-        if used > self.config.disk_bytes:
-            n, freed = self.backend.evict_lru(int(self.config.disk_bytes * EVICT_LOW_WATERMARK))
-            self.counters.add(evicted_disk=n, evicted_disk_bytes=freed)
+        if res.failed:
+            self.counters.add(dropped_saves=len(res.failed), io_errors=1)
+            self._warn.warning("save", "kvtier: %d of %d chunks could not be written (%s); they stay "
+                               "uncached", len(res.failed), len(batch), res.failed[0][1])
+        self.counters.add(saves_committed=len(res.stored), bytes_saved=sum(i.size for i in res.stored),
+                          evicted_disk=len(res.evicted), evicted_disk_bytes=res.evicted_bytes)
+
+    def _sweep_orphans(self) -> None:
+        """At start-up, in the background: remove payloads of writers killed mid-commit."""
+        try:
+            self.counters.add(orphans_removed=self.backend.sweep_orphans())
+        except Exception as exc:  # housekeeping: never fatal
+            self._warn.warning("sweep", "kvtier: orphan sweep failed: %s", exc)
 
     # -- lookups and loads --------------------------------------------------------
     def count_present_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are stored in any tier (the longest cached prefix)."""
+        """How many leading ``keys`` are stored or queued to be (the longest cached prefix).
+
+        The store's index answers, not this process's memory: a chunk still in the host tier
+        whose record another process evicted is not stored (other processes cannot load it,
+        and a save must not be skipped for it)."""
         n = 0
-        for k in keys:
-            if k in self.host or k in self._pending:
-                n += 1
-            else:
-                break
-        if n == len(keys):
-            return n
         try:
-            return n + self.backend.count_present_prefix(keys[n:])
+            while n < len(keys):
+                if keys[n] in self._pending:
+                    n += 1
+                    continue
+                m = self.backend.count_present_prefix(keys[n:])
+                if m == 0:
+                    break
+                n += m
         except Exception as exc:
             self.counters.add(io_errors=1)
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
-            return n
+        return n
 
     def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Load a chunk (into ``out`` if given). None on a miss, a corrupt or incompatible
-        record, or an I/O error — never an exception for a storage fault."""
+        """Load a chunk (into ``out`` if given); None unless it was a hit (see :meth:`load`
+        for what happened instead). Never an exception for a storage fault."""
+        return self.load(key, out).tensor
+
+    def load(self, key: bytes, out: torch.Tensor | None = None) -> Loaded:
+        """Load a chunk (into ``out`` if given) and say what happened."""
         t = self.host.get(key)
         if t is None:
             pending = self._pending.get(key)
@@ -256,48 +302,58 @@ class ChunkStore:
         if t is not None:
             self.counters.add(hits_host=1, bytes_loaded=t.numel() * t.element_size())
             self._touch(key)
-            if out is None:
-                return t
-            out.copy_(t)
-            return out
-        return self._get_from_backend(key, out)
+            if out is not None:
+                out.copy_(t)
+                t = out
+            return Loaded(Outcome.HIT, t)
+        return self._load_from_backend(key, out)
 
-    def _get_from_backend(self, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
+    def _load_from_backend(self, key: bytes, out: torch.Tensor | None) -> Loaded:
         def decode(view: memoryview) -> torch.Tensor:
             return codec.decode(view, expect_key=key, out=out,
                                 max_record_bytes=self.config.max_record_bytes)[1]
 
+        entry: EntryInfo | None = None
         try:
-            t = self.backend.read(key, decode)
+            entry = self.backend.lookup(key)
+            t = None if entry is None else self.backend.read_entry(entry, decode)
         except IncompatibleRecord as exc:
-            self.counters.add(incompatible_records=1, misses=1)
-            self._warn.warning("incompatible", "kvtier: skipping record %s: %s", key.hex()[:16], exc)
-            return None
+            return self._failed(Outcome.INCOMPATIBLE, key, exc)
+        except RecordTooLarge as exc:
+            return self._failed(Outcome.TOO_LARGE, key, exc)
         except RecordError as exc:
-            self.counters.add(corrupt_records=1, misses=1)
-            self._warn.warning("corrupt", "kvtier: corrupt record %s (%s); removed, will recompute",
-                               key.hex()[:16], exc)
-            self._remove_bad(key)
-            return None
+            if entry is not None:
+                self._remove_corrupt(entry)
+            return self._failed(Outcome.CORRUPT, key, exc)
         except Exception as exc:
-            self.counters.add(io_errors=1, misses=1)
-            self._warn.warning("read", "kvtier: reading %s failed (%s); treating as a miss",
-                               key.hex()[:16], exc)
-            return None
+            return self._failed(Outcome.IO_ERROR, key, exc)
         if t is None:
             self.counters.add(misses=1)
-            return None
+            return Loaded(Outcome.MISS)
         self.counters.add(hits_disk=1, bytes_loaded=t.numel() * t.element_size())
         self._touch(key)
         if out is None:
             self.counters.add(evicted_host=self.host.put(key, t))
-        return t
+        return Loaded(Outcome.HIT, t)
 
-    def _remove_bad(self, key: bytes) -> None:
+    _FAILURES = {
+        Outcome.INCOMPATIBLE: ("incompatible_records", "kvtier: skipping record %s: %s"),
+        Outcome.TOO_LARGE: ("oversized_records", "kvtier: skipping record %s: %s"),
+        Outcome.CORRUPT: ("corrupt_records", "kvtier: corrupt record %s (%s); removed, will recompute"),
+        Outcome.IO_ERROR: ("io_errors", "kvtier: reading %s failed (%s); treating as a miss"),
+    }
+
+    def _failed(self, outcome: Outcome, key: bytes, exc: Exception) -> Loaded:
+        counter, msg = self._FAILURES[outcome]
+        self.counters.add(misses=1, **{counter: 1})
+        self._warn.warning(outcome.value, msg, key.hex()[:16], exc)
+        return Loaded(outcome, why=str(exc))
+
+    def _remove_corrupt(self, entry: EntryInfo) -> None:
         if self.readonly:
             return
         try:
-            self.backend.delete([key])
+            self.backend.delete_entry(entry)  # this version only: a rewrite meanwhile stays
         except Exception as exc:
             self._warn.warning("delete", "kvtier: could not remove corrupt record: %s", exc)
 
@@ -368,14 +424,23 @@ class ChunkStore:
             "queued_bytes": queued, "disk_records": records, "disk_bytes": nbytes,
         }
 
-    def close(self, flush: bool = True) -> None:
-        """Commit what is queued (unless ``flush=False``), then release threads and files."""
+    def close(self, flush: bool = True, timeout: float | None = None) -> None:
+        """Commit what is queued (unless ``flush=False``), then release threads and files.
+
+        Bounded by ``timeout`` (default: the ``close_timeout_s`` setting): what is not
+        committed by then is dropped and counted, and a writer stuck in I/O (a hung disk)
+        is left to finish in the background, holding the store open, instead of hanging
+        the server's shutdown.
+        """
         if self._closed:
             return
+        timeout = float(self.config.close_timeout_s) if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        drained = True
         if flush and not self.readonly:
-            self.flush()
+            drained = self.flush(timeout)
         with self._cv:
-            if not flush and self._queue:  # abandon what is queued, counted as dropped
+            if self._queue:  # abandon what is still queued, counted as dropped
                 self.counters.add(dropped_saves=len(self._queue))
                 for item in self._queue:
                     self._pending.pop(item.key, None)
@@ -383,9 +448,16 @@ class ChunkStore:
                 self._queue.clear()
             self._closed = True
             self._cv.notify_all()
-        if self._writer.is_alive():
-            self._writer.join()
-        self._loads.shutdown(wait=True)
+        threads = [self._writer, *getattr(self._loads, "_threads", ())]
+        self._loads.shutdown(wait=False, cancel_futures=True)
+        for t in threads:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            log.warning("kvtier: %s: storage I/O did not finish within %.0f s of shutdown; %s"
+                        "leaving it to finish in the background", self.config.path, timeout,
+                        "" if drained else "queued saves were dropped; ")
+            return  # closing the backend under a running thread could crash it
         self.backend.close()
         self.host.clear()
         if self._lock is not None:

@@ -10,29 +10,46 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
-from kvtier.backends.base import Backend, EntryInfo, PutItem
+from kvtier.backends.base import Backend, EntryInfo, PutItem, PutResult
+from kvtier.backends.payloads import PayloadStore
+from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
 from kvtier.errors import StoreError, StoreFormatError
 
+log = logging.getLogger("kvtier")
 MARKER = "kvtier-store.json"
 LOCKFILE = "kvtier.lock"
-STORE_LAYOUT_VERSION = 1
+# 2: one shared LMDB index (``index/``) names every record; payloads at unique locations.
+STORE_LAYOUT_VERSION = 2
+# Settings every process of a store shares: kept in the store, so the CLI, the library and
+# every server read the same values instead of their own defaults.
+STORED_SETTINGS = ("disk_bytes", "max_record_bytes", "chunk_tokens", "compression", "durability")
 
-__all__ = ["Backend", "EntryInfo", "PutItem", "open_backend", "read_marker", "StoreLock"]
+__all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "open_backend", "read_marker", "StoreLock",
+           "adopt_settings", "stored_config"]
 
 
-def _backend_class(name: str) -> type[Backend]:
-    if name == "lmdb":
-        from kvtier.backends.lmdb import LmdbBackend
+def _make_backend(root: Path, config: CacheConfig, readonly: bool) -> Backend:
+    max_read = int(config.max_record_bytes) + MAX_HEADER_BYTES
+    payloads: PayloadStore
+    if config.backend == "lmdb":
+        from kvtier.backends.lmdb import LmdbPayloads
 
-        return LmdbBackend
-    from kvtier.backends.files import FilesBackend
+        payloads = LmdbPayloads(root, config.durability, int(config.disk_bytes), max_read, readonly=readonly)
+    else:
+        from kvtier.backends.files import FilePayloads
 
-    return FilesBackend
+        payloads = FilePayloads(root, config.durability, config.io_threads, max_read, readonly=readonly)
+    try:
+        return Backend(root, config, payloads, readonly=readonly)
+    except BaseException:
+        payloads.close()
+        raise
 
 
 def read_marker(root: Path) -> dict[str, object]:
@@ -60,8 +77,10 @@ def read_marker(root: Path) -> dict[str, object]:
         )
     if version < STORE_LAYOUT_VERSION:
         raise StoreFormatError(
-            f"{root}: store layout version {version} is older than this kvtier's "
-            f"({STORE_LAYOUT_VERSION}); delete the directory or point the cache at a new path"
+            f"{root}: store layout version {version} was written by an older kvtier, before the "
+            f"shared index (this one uses layout {STORE_LAYOUT_VERSION}); its chunks cannot be "
+            "migrated safely: delete the directory (the cache refills itself) or point the "
+            "cache at a new path"
         )
     if info.get("backend") not in ("lmdb", "files"):
         raise StoreError(f"{root}: unknown backend {info.get('backend')!r} in {MARKER}")
@@ -113,4 +132,31 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
             f"{root}: store was created with backend {info['backend']!r}, config asks for "
             f"{config.backend!r}; set backend={info['backend']!r} or use another path"
         )
-    return _backend_class(config.backend)(root, config, readonly=readonly)
+    return _make_backend(root, config, readonly)
+
+
+def adopt_settings(backend: Backend, config: CacheConfig) -> None:
+    """Record a writer's settings in the store (the newest writer's values hold for all)."""
+    mine = {k: getattr(config, k) for k in STORED_SETTINGS}
+    old = backend.index.set_settings(mine)
+    changed = {k: (old[k], v) for k, v in mine.items() if k in old and old[k] != v}
+    if changed:
+        log.warning("kvtier: %s: store settings changed by this process: %s", config.path,
+                    ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
+
+
+def stored_config(root: Path, backend: str, **overrides: object) -> CacheConfig:
+    """The config a store was last written with (for tools that open it beside writers)."""
+    from kvtier.backends.index import StoreIndex
+
+    values: dict[str, object] = {}
+    try:
+        index = StoreIndex(root, readonly=True)
+    except Exception:  # no index yet (never written): defaults
+        index = None
+    if index is not None:
+        try:
+            values = {k: v for k, v in index.settings().items() if k in STORED_SETTINGS}
+        finally:
+            index.close()
+    return CacheConfig(path=root, backend=backend, **{**values, **overrides})  # type: ignore[arg-type]

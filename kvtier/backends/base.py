@@ -1,51 +1,62 @@
-"""The one small interface every persistent backend implements.
+"""A store's persistent tier: the shared index (what is stored) over a payload store (bytes).
 
-A backend stores whole encoded records under 32-byte keys. It never exposes a partial
-record: ``put_many`` makes each record visible atomically (all of it or none of it), and it
-groups many records into one commit so durability costs one sync per batch, not per record.
-Reads hand a view of the record to a callback so LMDB can serve it straight from its map
-and the file backend from a reused buffer: no per-read allocation.
+``Backend`` is what the rest of kvtier uses. It never exposes a partial record: a record's
+bytes are written (and synced, with ``durability="power"``) before the index commit that
+names them, and a batch of records is published in one commit, so durability costs one
+sync per batch. Budgets hold across every process that writes the store, because usage
+and eviction live in the index they all share. Reads hand a view of the record to a
+callback (a zero-copy LMDB view or a reused buffer): no per-read allocation.
 """
 
 from __future__ import annotations
 
-import abc
 import json
+import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from kvtier import forksafe
+from kvtier.backends.index import (
+    NO_KEY,
+    EntryInfo,
+    StoreIndex,
+    iter_unreferenced,
+    new_location,
+)
+from kvtier.backends.lmdb_env import EnvHandle
+from kvtier.backends.payloads import PayloadStore, PutItem
+from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
 
 T = TypeVar("T")
+log = logging.getLogger("kvtier")
+
+# Evict down to this fraction of the disk budget, so eviction runs in batches, not per save.
+EVICT_LOW_WATERMARK = 0.9
+# A payload nobody names is an orphan only once it is older than this: a writer between its
+# payload write and its index commit must not lose the payload.
+ORPHAN_GRACE_S = 600.0
+
+__all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "most_recent", "EVICT_LOW_WATERMARK"]
 
 
-@dataclass(frozen=True)
-class PutItem:
-    """One record to store: its key, encoded header and payload, and its namespace id."""
+@dataclass
+class PutResult:
+    """What one ``put_many`` did."""
 
-    key: bytes
-    header: bytes
-    payload: memoryview
-    namespace_id: bytes
+    stored: list[PutItem]
+    failed: list[tuple[PutItem, BaseException]]
+    evicted: list[EntryInfo]
 
     @property
-    def size(self) -> int:
-        return len(self.header) + self.payload.nbytes
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """What a backend knows about a stored record without reading it."""
-
-    key: bytes
-    size: int
-    atime_ns: int
-    namespace_id: bytes
+    def evicted_bytes(self) -> int:
+        return sum(e.size for e in self.evicted)
 
 
 def most_recent(entries: Iterable[EntryInfo], max_bytes: int) -> list[EntryInfo]:
@@ -60,85 +71,158 @@ def most_recent(entries: Iterable[EntryInfo], max_bytes: int) -> list[EntryInfo]
     return chosen
 
 
-class Backend(abc.ABC):
-    """A persistent tier. Thread-safe; one instance per process and store directory."""
+class Backend:
+    """The persistent tier of one store. Thread-safe; one instance per process and store."""
 
-    name: str = ""
-
-    def __init__(self, root: Path, config: CacheConfig, *, readonly: bool = False) -> None:
+    def __init__(self, root: Path, config: CacheConfig, payloads: PayloadStore, *,
+                 readonly: bool = False) -> None:
         self.root = root
         self.config = config
         self.readonly = readonly
+        self.name = payloads.name
+        self.index = StoreIndex(root, readonly=readonly, sync=config.durability == "power")
+        self.payloads = payloads
+        self._write_lock = threading.Lock()
         _LIVE_BACKENDS.add(self)
 
-    def after_fork_in_child(self) -> None:  # noqa: B027 - optional hook
-        """Runs in a forked child: replace locks, threads and handles the parent owns."""
+    @property
+    def max_read_bytes(self) -> int:
+        return int(self.config.max_record_bytes) + MAX_HEADER_BYTES
 
-    @abc.abstractmethod
-    def put_many(self, items: list[PutItem]) -> None:
-        """Store records in one group commit. Raises ``OSError`` (e.g. disk full) on failure,
-        in which case none of the batch may be visible half-written."""
+    # -- writes ----------------------------------------------------------------------------
+    def put_many(self, items: list[PutItem]) -> PutResult:
+        """Store records: write their payloads, publish the ones written in one index commit
+        (evicting, across every process's records, down to the store's budget), then remove
+        the payloads that commit replaced or evicted. A record that failed does not hold
+        back the others. Raises ``OSError`` only if the index commit itself fails."""
+        if not items:
+            return PutResult([], [], [])
+        with self._write_lock:
+            locations = [new_location() for _ in items]
+            errors = self.payloads.write_many(items, locations)
+            ok = [(it, loc) for it, loc, err in zip(items, locations, errors, strict=True) if err is None]
+            failed = [(it, err) for it, err in zip(items, errors, strict=True) if err is not None]
+            now = time.time_ns()
+            new = [EntryInfo(it.key, it.size, now, it.namespace_id, self.payloads.occupied(it.size), loc,
+                             0, it.group or it.key, it.parent or NO_KEY, it.token_start, it.num_tokens)
+                   for it, loc in ok]
+            try:
+                done = self.index.publish(new, self.budget(), EVICT_LOW_WATERMARK)
+            except Exception as exc:
+                self.payloads.delete(new)  # never published: nobody can see them
+                raise OSError(f"index commit failed: {exc}") from exc
+            self.payloads.delete(done.replaced + done.evicted)
+        return PutResult([it for it, _ in ok], failed, done.evicted)
 
-    @abc.abstractmethod
-    def read(self, key: bytes, fn: Callable[[memoryview], T]) -> T | None:
-        """Call ``fn`` with a view of the whole record (valid only during the call), or
-        return None if the key is absent."""
+    def budget(self) -> int:
+        """The store's disk budget: the one the store records (every writer shares it)."""
+        value = self.index.settings().get("disk_bytes")
+        return int(value) if isinstance(value, int) else int(self.config.disk_bytes)
 
-    @abc.abstractmethod
-    def count_present_prefix(self, keys: Iterable[bytes]) -> int:
-        """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
-
-    @abc.abstractmethod
     def touch(self, keys: Iterable[bytes], now_ns: int) -> None:
-        """Record a use of ``keys`` for LRU eviction (best effort)."""
+        """Record a use of ``keys`` for LRU eviction."""
+        keys = list(keys)
+        if keys and not self.readonly:
+            self.index.touch(keys, now_ns)
 
-    @abc.abstractmethod
+    def lease(self, keys: Iterable[bytes], seconds: float) -> None:
+        """Keep ``keys`` (and what they extend) from eviction for ``seconds``: a load was promised."""
+        keys = list(keys)
+        if keys and not self.readonly:
+            self.index.lease(keys, seconds)
+
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove records; return the bytes freed."""
+        """Remove records; return the record bytes freed."""
+        gone = self.index.remove(list(keys))
+        self.payloads.delete(gone)
+        return sum(e.size for e in gone)
 
-    @abc.abstractmethod
-    def entries(self) -> Iterator[EntryInfo]:
-        """Every stored record's metadata (a consistent snapshot where the backend allows)."""
-
-    @abc.abstractmethod
-    def usage(self) -> tuple[int, int]:
-        """``(records, bytes)`` currently stored."""
-
-    @abc.abstractmethod
-    def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
-        """Remember what a namespace id stands for (for ``kvtier ls``)."""
-
-    @abc.abstractmethod
-    def namespaces(self) -> dict[bytes, dict[str, object]]:
-        """Every registered namespace id and its description."""
-
-    def compact(self) -> int:
-        """Shrink on-disk files where the backend can; return bytes reclaimed."""
-        return 0
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release files and maps."""
+    def delete_entry(self, entry: EntryInfo) -> bool:
+        """Remove exactly this version of a record (a newer one written meanwhile stays)."""
+        gone = self.index.remove([entry.key], [entry.location])
+        self.payloads.delete(gone)
+        return bool(gone)
 
     def evict_lru(self, target_bytes: int) -> tuple[int, int]:
-        """Delete least-recently-used records until at most ``target_bytes`` remain.
+        """Evict (chain- and rank-aware, leases respected) until at most ``target_bytes``
+        are occupied. Returns ``(records, record bytes)`` removed."""
+        gone = self.index.evict(target_bytes)
+        self.payloads.delete(gone)
+        return len(gone), sum(e.size for e in gone)
 
-        Returns ``(records, bytes)`` removed.
-        """
-        return self.evict_from(list(self.entries()), target_bytes)
+    def sweep_orphans(self, grace_s: float = ORPHAN_GRACE_S) -> int:
+        """Remove payloads no index entry names (a writer killed between its payload write
+        and its commit, or between a commit and the removal); how many went."""
+        n = 0
+        for key, loc in list(iter_unreferenced(self.index, self.payloads.found(), grace_s)):
+            self.payloads.remove_found(key, loc)
+            n += 1
+        return n
 
-    def evict_from(self, entries: list[EntryInfo], target_bytes: int) -> tuple[int, int]:
-        """Evict least-recently-used ``entries`` until at most ``target_bytes`` remain."""
-        total = sum(e.size for e in entries)
-        if total <= target_bytes:
-            return 0, 0
-        victims: list[bytes] = []
-        for info in sorted(entries, key=lambda e: e.atime_ns):
-            if total <= target_bytes:
-                break
-            victims.append(info.key)
-            total -= info.size
-        freed = self.delete(victims)
-        return len(victims), freed
+    # -- reads -----------------------------------------------------------------------------
+    def lookup(self, key: bytes) -> EntryInfo | None:
+        return self.index.get(key)
+
+    def read_entry(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
+        """``fn`` of the record this entry names; None if its payload went meanwhile."""
+        return self.payloads.read(entry, fn)
+
+    def read(self, key: bytes, fn: Callable[[memoryview], T]) -> T | None:
+        """``fn`` of the record stored under ``key`` (a view valid during the call); None if
+        there is none."""
+        entry = self.index.get(key)
+        return None if entry is None else self.payloads.read(entry, fn)
+
+    def read_head(self, key: bytes, n: int) -> tuple[bytes, int] | None:
+        """The first ``n`` bytes of ``key``'s record and its length; None if there is none."""
+        entry = self.index.get(key)
+        return None if entry is None else self.payloads.read_head(entry, n)
+
+    def count_present_prefix(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
+        return self.index.present_prefix(keys)
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Every stored record's metadata, from one consistent snapshot."""
+        return iter(self.index.entries())
+
+    def usage(self) -> tuple[int, int]:
+        """``(records, record bytes)`` stored, across every process."""
+        t = self.index.totals()
+        return t.records, t.record_bytes
+
+    def occupied(self) -> int:
+        """Bytes the records occupy on disk (what ``disk_bytes`` bounds)."""
+        return self.index.totals().occupied
+
+    def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
+        """Remember what a namespace id stands for (for ``kvtier ls``)."""
+        if not self.readonly:
+            self.index.register_namespace(namespace_id, description)
+
+    def namespaces(self) -> dict[bytes, dict[str, object]]:
+        return self.index.namespaces()
+
+    def settings(self) -> dict[str, object]:
+        return self.index.settings()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def compact(self) -> int:
+        """Shrink on-disk files where possible (the caller holds the store exclusively)."""
+        return self.payloads.compact() + self.index.env.compact()
+
+    def lmdb_envs(self) -> list[EnvHandle]:
+        """The store's LMDB environments (for page statistics)."""
+        extra = getattr(self.payloads, "env", None)
+        return [self.index.env] + ([extra] if isinstance(extra, EnvHandle) else [])
+
+    def after_fork_in_child(self) -> None:
+        self._write_lock = threading.Lock()
+        self.payloads.after_fork_in_child()
+
+    def close(self) -> None:
+        self.payloads.close()
+        self.index.close()
 
 
 _LIVE_BACKENDS: weakref.WeakSet[Backend] = weakref.WeakSet()
@@ -149,19 +233,7 @@ def _backends_after_fork_in_child() -> None:
         backend.after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_backends_after_fork_in_child)
-
-
-class ThreadBuffer(threading.local):
-    """A per-thread reusable read buffer, grown as needed (allocation is the slow part)."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray(0)
-
-    def get(self, size: int) -> memoryview:
-        if len(self.buf) < size:
-            self.buf = bytearray(max(size, len(self.buf) * 3 // 2))
-        return memoryview(self.buf)[:size]
+forksafe.register(forksafe.BACKEND, after_in_child=_backends_after_fork_in_child)
 
 
 def write_json_atomic(path: Path, data: dict[str, object]) -> None:

@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.backends import Backend, EntryInfo, StoreLock, open_backend, read_marker
+from kvtier.backends import Backend, EntryInfo, StoreLock, open_backend, read_marker, stored_config
 from kvtier.cli._common import NotFoundError, UsageError
 from kvtier.codec import RecordHeader, decode_header, verify_payload
-from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError, StoreError
 from kvtier.keys import KEY_BYTES, Namespace
 
@@ -60,8 +59,8 @@ def open_store(path: str, *, write: bool = False, exclusive: bool = False) -> It
     """
     root = store_root(path)
     marker = read_marker(root)
-    # The store's config is not recorded in it: defaults, with the backend it was created with.
-    config = CacheConfig(path=root, backend=str(marker["backend"]))
+    # The settings its writers recorded in it (limits, budget), with its backend.
+    config = stored_config(root, str(marker["backend"]))
     lock = StoreLock(root, exclusive=exclusive)
     try:
         backend = open_backend(config, readonly=not write, create=False)
@@ -280,27 +279,19 @@ def disk_files(root: Path) -> list[tuple[str, int, int, int]]:
 
 
 def lmdb_pages(backend: Backend) -> dict[str, int] | None:
-    """Page use of an LMDB store: what ``compact`` could give back (best effort).
-
-    The backend interface has no call for this, so it reads the backend's environment and
-    database handles (private attributes); anything unexpected gives None, not an error.
-    """
-    if backend.name != "lmdb":
-        return None
+    """Page use of the store's LMDB environments (its index, and the records of an ``lmdb``
+    store): what ``compact`` could give back. Best effort: None if it cannot be read."""
     try:
-        env_now = getattr(backend, "_env_now", None)
-        env = env_now() if env_now is not None else backend._env  # type: ignore[attr-defined]
-        info = env.info()
-        psize = env.stat()["psize"]
-        used = 2  # the two meta pages
-        dbs = [getattr(backend, a, None) for a in ("_records", "_meta", "_ns", "_info")]
-        if any(db is None for db in dbs):
-            return None
-        with env.begin() as txn:
-            for s in [txn.stat()] + [txn.stat(db) for db in dbs]:
-                used += s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
-        total = info["last_pgno"] + 1
-        return {"page_size": psize, "pages_in_file": total, "pages_in_use": min(used, total),
+        psize, total, used = 0, 0, 0
+        for handle in backend.lmdb_envs():
+            env = handle.env_now()
+            with handle.txn() as txn:
+                in_use = handle.page_bytes(txn)
+            psize = env.stat()["psize"]
+            pages = env.info()["last_pgno"] + 1
+            total += pages
+            used += min(in_use // psize, pages)
+        return {"page_size": psize, "pages_in_file": total, "pages_in_use": used,
                 "reclaimable_bytes": max(total - used, 0) * psize}
     except Exception:
         return None

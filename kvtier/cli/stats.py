@@ -31,10 +31,11 @@ example:
   kvtier stats /data/kvcache
   kvtier stats /data/kvcache --budget 64G --json
 
-RECORD BYTES are what the store accounts against its disk_bytes budget (header + payload
-of every record); ON DISK is what its files take, including LMDB free pages (which
-'kvtier compact' gives back) and file-system block rounding. The store's disk_bytes
-setting is not recorded in the store: pass it as --budget to see how full the store is.
+RECORD BYTES are the records' header + payload bytes; OCCUPIED is what the store accounts
+against its disk_bytes budget (each record rounded to the disk blocks or LMDB pages it
+takes); ON DISK is what its files take, including LMDB free pages (which 'kvtier compact'
+gives back) and the index. The budget shown is the disk_bytes setting the store's writers
+recorded in it; --budget shows the use against another figure.
 Hit/miss/corrupt counters live in the serving process (vLLM's connector stats); the store
 does not persist them, so they are not shown here.
 """
@@ -46,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Summarise a store: records, tokens, bytes, files on disk, compression, free disk.",
         epilog=EPILOG, run=run)
     p.add_argument("--budget", metavar="SIZE",
-                   help="the store's disk_bytes setting (e.g. 64G), to show how full it is")
+                   help="show the use against this size (e.g. 64G) instead of the store's own disk_bytes")
     add_json_arg(p)
 
 
@@ -56,6 +57,10 @@ def collect(store_path: str, budget: int | None) -> dict[str, Any]:
         scan = scan_headers(st.backend, entries)
         namespaces = st.backend.namespaces()
         pages = lmdb_pages(st.backend)
+        occupied = st.backend.occupied()
+        if budget is None:
+            stored = st.backend.settings().get("disk_bytes")
+            budget = stored if isinstance(stored, int) else None
         root, marker = st.root, st.marker
     present = [e for e in entries if e.key in scan.headers or e.key in scan.bad]
     record_bytes = sum(e.size for e in present)
@@ -77,6 +82,7 @@ def collect(store_path: str, budget: int | None) -> dict[str, Any]:
         "records": len(present),
         "tokens": sum(h.num_tokens for h in headers),
         "record_bytes": record_bytes,
+        "occupied_bytes": occupied,
         "payload_raw_bytes": raw,
         "payload_stored_bytes": payload,
         "compression_ratio": ratio(raw, payload),
@@ -94,7 +100,7 @@ def collect(store_path: str, budget: int | None) -> dict[str, Any]:
         "lmdb": pages,
         "filesystem": {"total_bytes": du.total, "used_bytes": du.used, "free_bytes": du.free},
         "budget": None if budget is None else {
-            "bytes": budget, "used_fraction": round(record_bytes / budget, 4) if budget else None},
+            "bytes": budget, "used_fraction": round(occupied / budget, 4) if budget else None},
         "counters": None,
     }
 
@@ -117,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("records", f"{s['records']:,}")
     t.add_row("tokens", f"{s['tokens']:,}")
     t.add_row("record bytes", size(s["record_bytes"]))
+    t.add_row("occupied", size(s["occupied_bytes"]))
     if s["budget"]:
         b = s["budget"]
         frac = b["used_fraction"]

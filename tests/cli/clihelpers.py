@@ -122,7 +122,7 @@ def corrupt(path: Path, backend: str, key: bytes, where: str) -> None:
     """Flip one byte of ``key``'s record on disk: in its payload or its header."""
     from kvtier.codec import MAGIC, decode_header
 
-    target = path / "lmdb" / "data.mdb" if backend == "lmdb" else next(path.rglob(key.hex() + ".kvt"))
+    target = path / "lmdb" / "data.mdb" if backend == "lmdb" else next(path.rglob(key.hex() + ".*.kvt"))
     data = bytearray(target.read_bytes())
     at = data.find(MAGIC)
     while at >= 0:

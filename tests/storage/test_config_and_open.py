@@ -118,7 +118,7 @@ def test_empty_directory_becomes_a_store(tmp_path: Path, backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["lmdb", "files"])
-@pytest.mark.parametrize("version", [2, 99])
+@pytest.mark.parametrize("version", [3, 99])
 def test_newer_layout_version_is_refused_clearly(tmp_path: Path, backend: str, version: int) -> None:
     d = tmp_path / "s"
     _save_one(d, backend)

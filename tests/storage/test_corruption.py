@@ -23,6 +23,7 @@ from kvhelpers import (
 )
 
 from kvtier import codec
+from kvtier.backends.index import StoreIndex
 from kvtier.keys import FORMAT_VERSION
 
 TOKS = tokens(11, 3 * CHUNK)
@@ -34,9 +35,24 @@ def _lmdb_env(store: Path) -> lmdb.Environment:
     return lmdb.open(str(store / "lmdb"), max_dbs=8, subdir=True, map_size=1 << 30)
 
 
+def _location(store: Path, key: bytes) -> int:
+    """Where the store's index says ``key``'s record is."""
+    index = StoreIndex(store, readonly=True)
+    try:
+        entry = index.get(key)
+    finally:
+        index.close()
+    assert entry is not None, "the record is not in the index"
+    return entry.location
+
+
 def _record_file(store: Path, key: bytes) -> Path:
     h = key.hex()
-    return store / "files" / h[:2] / h[2:4] / f"{h}.kvt"
+    return store / "files" / h[:2] / h[2:4] / f"{h}.{_location(store, key):016x}.kvt"
+
+
+def _lmdb_key(store: Path, key: bytes) -> bytes:
+    return _location(store, key).to_bytes(8, "big") + key
 
 
 def read_raw(store: Path, backend: str, key: bytes) -> bytes:
@@ -45,7 +61,7 @@ def read_raw(store: Path, backend: str, key: bytes) -> bytes:
     env = _lmdb_env(store)
     try:
         with env.begin() as txn:
-            val = txn.get(key, db=env.open_db(b"records", txn=txn))
+            val = txn.get(_lmdb_key(store, key), db=env.open_db(b"records", txn=txn))
             assert val is not None
             return bytes(val)
     finally:
@@ -64,12 +80,13 @@ def write_raw(store: Path, backend: str, key: bytes, data: bytes | None = None,
             assert data is not None
             f.write_bytes(data)
         return
+    dbkey = _lmdb_key(store, key)
     env = _lmdb_env(store)
     try:
         with env.begin(write=True) as txn:
             db = env.open_db(b"records", txn=txn)
-            assert txn.get(key, db=db) is not None
-            txn.put(key, data if data is not None else bytes(sparse_size or 0), db=db)
+            assert txn.get(dbkey, db=db) is not None
+            txn.put(dbkey, data if data is not None else bytes(sparse_size or 0), db=db)
     finally:
         env.close()
 

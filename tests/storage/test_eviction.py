@@ -27,8 +27,10 @@ def _seq(name: str, i: int) -> np.ndarray:
 
 
 def test_disk_budget_evicts_least_recently_used(tmp_path: Path, backend: str) -> None:
-    budget = int(15.5 * RECORD)  # 15 records fit; the 16th triggers eviction down to 90 % (13)
     store = tmp_path / "s"
+    with open_cache(store, backend) as cache:  # the budget counts disk blocks or LMDB pages
+        occupied = cache.store.backend.payloads.occupied(RECORD)
+    budget = int(15.5 * occupied)  # 15 records fit; the 16th triggers eviction down to 90 % (13)
 
     def present(cache: KVCache, name: str, i: int) -> bool:
         """On disk (the host tier may still hold an evicted record)."""

@@ -72,38 +72,3 @@ def test_prefetch_and_async_loads(tmp_path: Path) -> None:
         after = store.counters.snapshot()
         assert after["hits_host"] - before["hits_host"] == 2  # served from memory, as prefetched
         assert after["hits_disk"] == before["hits_disk"]
-
-
-def test_record_removed_during_the_start_up_scan_stays_gone(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The files backend indexes the disk in a background scan at open. A record deleted
-    after the scan listed it, but before the scan merged its findings, must not come back
-    (it did: a removed corrupt record was still claimed by lookups, now and then)."""
-    from kvtier.backends import open_backend
-    from kvtier.backends.files import FilesBackend
-
-    store = ChunkStore(CacheConfig(path=tmp_path / "s", backend="files", chunk_tokens=64))
-    for k in (b"a", b"b"):
-        store.put(k * 32, _chunk(), namespace_id=b"n" * 16, token_start=0, num_tokens=64)
-    store.close()
-    listed, go_on = threading.Event(), threading.Event()
-    walk = FilesBackend._walk
-
-    def slow_walk(self: FilesBackend):  # noqa: ANN202
-        yield from walk(self)
-        listed.set()
-        go_on.wait(10)  # the scan has listed everything and not yet merged it
-
-    monkeypatch.setattr(FilesBackend, "_walk", slow_walk)
-    backend = open_backend(CacheConfig(path=tmp_path / "s", backend="files", chunk_tokens=64))
-    try:
-        assert listed.wait(10)
-        assert backend.delete([b"a" * 32]) > 0
-        go_on.set()
-        backend._scanned.wait(10)
-        assert backend.count_present_prefix([b"a" * 32]) == 0
-        assert backend.count_present_prefix([b"b" * 32]) == 1
-        assert backend.usage()[0] == 1
-    finally:
-        go_on.set()
-        backend.close()

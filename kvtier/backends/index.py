@@ -1,0 +1,388 @@
+"""The store's index: the one source of truth for what is stored, shared by every process.
+
+Every process that opens a store (the scheduler and each tensor-parallel rank of every
+server, other servers, the CLI) reads and writes this one LMDB environment, transactionally.
+Presence, sizes, last use, leases and eviction order come from it and from nothing else, so
+a process never promises a chunk another process has evicted.
+
+Databases (all in ``<store>/index``):
+
+- ``entries``: key -> :data:`_ENTRY` (record size, bytes occupied on disk, last use, lease,
+  payload location, namespace, rank group, chain parent, token span);
+- ``lru``: big-endian last use + key -> empty: eviction order without a scan;
+- ``children``: parent key -> keys of the chunks that extend it (duplicates allowed);
+- ``groups``: rank-0 key -> the other tensor-parallel ranks' keys of the same chunk;
+- ``info``: totals and the store's settings; ``namespaces``: what a namespace id stands for.
+
+A payload is written first (files or the LMDB data environment) under a fresh *location*,
+and becomes visible only when the index commit that names it succeeds. Removal is the
+reverse: the commit that drops an entry comes first, and the payload goes afterwards. A
+crash between the two leaves an unreferenced payload, never an entry without its data; the
+orphan sweep removes such payloads once they are older than a grace period.
+
+Eviction (see :meth:`StoreIndex._evict_in`) takes the least recently used chunk together
+with every chunk that extends it (a chain's tail is useless without its head) and the other
+ranks' parts of each (a hit needs every rank), skips anything under a lease (a load was
+promised), and counts a chunk as recent as its most recently used relative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import lmdb
+
+from kvtier.backends.lmdb_env import EnvHandle
+
+# size, occupied, atime_ns, lease_until_ns, location, namespace, group, parent, start, tokens
+_ENTRY = struct.Struct("<QQQQQ16s32s32sII")
+_TOTALS = struct.Struct("<QQQ")  # records, record bytes, occupied bytes
+_BE64 = struct.Struct(">Q")
+_TOTALS_KEY = b"totals"
+_SETTINGS_KEY = b"settings"
+NO_KEY = b"\0" * 32
+# Scan the LRU order this many entries at a time while evicting.
+_EVICT_SCAN = 256
+INDEX_DIR = "index"
+_DBS = ((b"entries", False), (b"lru", False), (b"children", True), (b"groups", True),
+        (b"info", False), (b"namespaces", False))
+# Address space for the index map (it holds ~0.4 KiB per chunk; the file grows with use).
+_INDEX_MAP = 64 << 30
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What the index knows about a stored record."""
+
+    key: bytes
+    size: int
+    atime_ns: int
+    namespace_id: bytes
+    occupied: int = 0  # bytes the payload takes on disk (block or page rounded)
+    location: int = 0  # where the payload store keeps this version of the record
+    lease_until_ns: int = 0
+    group: bytes = NO_KEY  # the rank-0 key of this chunk (its own key for rank 0)
+    parent: bytes = NO_KEY  # the key of the chunk this one extends (NO_KEY for a chain head)
+    token_start: int = 0
+    num_tokens: int = 0
+
+    def pack(self) -> bytes:
+        return _ENTRY.pack(self.size, self.occupied, self.atime_ns, self.lease_until_ns, self.location,
+                           self.namespace_id.ljust(16, b"\0")[:16], self.group, self.parent,
+                           self.token_start, self.num_tokens)
+
+    @classmethod
+    def unpack(cls, key: bytes, raw: bytes | memoryview) -> EntryInfo:
+        size, occ, atime, lease, loc, ns, group, parent, start, n = _ENTRY.unpack(raw)
+        return cls(key, size, atime, ns, occ, loc, lease, group, parent, start, n)
+
+    @property
+    def lru_key(self) -> bytes:
+        return _BE64.pack(self.atime_ns) + self.key
+
+
+@dataclass
+class Totals:
+    records: int = 0
+    record_bytes: int = 0
+    occupied: int = 0
+
+    def add(self, e: EntryInfo, sign: int = 1) -> None:
+        self.records += sign
+        self.record_bytes += sign * e.size
+        self.occupied += sign * e.occupied
+
+
+@dataclass
+class Published:
+    """What a publish replaced and evicted: payloads to remove once the commit is done."""
+
+    replaced: list[EntryInfo]
+    evicted: list[EntryInfo]
+
+
+def new_location() -> int:
+    """A fresh payload location: creation second (for the orphan sweep's grace period) in
+    the high 32 bits, random low bits, so two writers never share one."""
+    return (int(time.time()) & 0xFFFFFFFF) << 32 | int.from_bytes(os.urandom(4), "little")
+
+
+def location_age_s(location: int) -> float:
+    return time.time() - (location >> 32)
+
+
+class StoreIndex:
+    """The shared index of one store (one per process and store; thread-safe)."""
+
+    def __init__(self, root: Path, *, readonly: bool = False, sync: bool = False) -> None:
+        self.path = root / INDEX_DIR
+        self.readonly = readonly
+        self.env = EnvHandle(self.path, readonly=readonly, sync=sync, map_size=_INDEX_MAP, dbs=_DBS)
+
+    # Database handles belong to this process's environment, which a fork replaces: look
+    # them up on every use.
+    @property
+    def _entries(self) -> object:
+        return self.env.dbs[b"entries"]
+
+    @property
+    def _lru(self) -> object:
+        return self.env.dbs[b"lru"]
+
+    @property
+    def _children(self) -> object:
+        return self.env.dbs[b"children"]
+
+    @property
+    def _groups(self) -> object:
+        return self.env.dbs[b"groups"]
+
+    @property
+    def _info(self) -> object:
+        return self.env.dbs[b"info"]
+
+    @property
+    def _ns(self) -> object:
+        return self.env.dbs[b"namespaces"]
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- reads --------------------------------------------------------------------------
+    def get(self, key: bytes) -> EntryInfo | None:
+        with self.env.txn() as txn:
+            return self._get(txn, key)
+
+    def _get(self, txn: lmdb.Transaction, key: bytes) -> EntryInfo | None:
+        raw = txn.get(key, db=self._entries)
+        return None if raw is None else EntryInfo.unpack(key, raw)
+
+    def present_prefix(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
+        n = 0
+        with self.env.txn() as txn:
+            cur = txn.cursor(db=self._entries)
+            for k in keys:
+                if not cur.set_key(k):
+                    break
+                n += 1
+        return n
+
+    def entries(self) -> list[EntryInfo]:
+        """Every entry, from one consistent snapshot (drained: no transaction stays open)."""
+        with self.env.txn() as txn:
+            return [EntryInfo.unpack(bytes(k), v) for k, v in txn.cursor(db=self._entries)]
+
+    def totals(self) -> Totals:
+        with self.env.txn() as txn:
+            return self._totals(txn)
+
+    def _totals(self, txn: lmdb.Transaction) -> Totals:
+        raw = txn.get(_TOTALS_KEY, db=self._info)
+        return Totals(*_TOTALS.unpack(raw)) if raw else Totals()
+
+    def index_bytes(self) -> int:
+        """Bytes of the index's own pages (not counted against ``disk_bytes``)."""
+        with self.env.txn() as txn:
+            return self.env.page_bytes(txn)
+
+    def settings(self) -> dict[str, object]:
+        with self.env.txn() as txn:
+            raw = txn.get(_SETTINGS_KEY, db=self._info)
+        return json.loads(bytes(raw)) if raw else {}
+
+    def namespaces(self) -> dict[bytes, dict[str, object]]:
+        with self.env.txn() as txn:
+            return {bytes(k): json.loads(bytes(v)) for k, v in txn.cursor(db=self._ns)}
+
+    # -- writes -------------------------------------------------------------------------
+    def _write(self):  # noqa: ANN202 - a context manager of a write transaction
+        if self.readonly:
+            raise PermissionError("store opened read-only")
+        return self.env.txn(write=True)
+
+    def set_settings(self, settings: dict[str, object]) -> dict[str, object]:
+        """Merge ``settings`` into the store's; return what they were before."""
+        with self._write() as txn:
+            raw = txn.get(_SETTINGS_KEY, db=self._info)
+            old = json.loads(bytes(raw)) if raw else {}
+            txn.put(_SETTINGS_KEY, json.dumps({**old, **settings}, sort_keys=True).encode(), db=self._info)
+        return old
+
+    def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
+        blob = json.dumps(description, sort_keys=True).encode()
+        with self.env.txn() as txn:
+            if txn.get(namespace_id, db=self._ns) == blob:
+                return  # common case (every start-up): no write transaction
+        with self._write() as txn:
+            txn.put(namespace_id, blob, db=self._ns)
+
+    def publish(self, new: Sequence[EntryInfo], budget: int | None, low_watermark: float) -> Published:
+        """Make ``new`` entries visible in one commit (their payloads must already be
+        durable), then evict down to ``low_watermark`` x ``budget`` if the occupied bytes
+        exceed ``budget``. Returns what was replaced or evicted, whose payloads the caller
+        removes after this returns."""
+        replaced: list[EntryInfo] = []
+        with self._write() as txn:
+            tot = self._totals(txn)
+            for e in new:
+                old = self._get(txn, e.key)
+                if old is not None:
+                    self._drop(txn, old, tot)
+                    if old.location != e.location:
+                        replaced.append(old)
+                self._add(txn, e, tot)
+            evicted: list[EntryInfo] = []
+            if budget is not None and tot.occupied > budget:
+                evicted = self._evict_in(txn, int(budget * low_watermark), tot, time.time_ns())
+            self._put_totals(txn, tot)
+        return Published(replaced, evicted)
+
+    def remove(self, keys: Iterable[bytes], locations: Sequence[int] | None = None) -> list[EntryInfo]:
+        """Drop entries (with ``locations``: only those still at that location, so a newer
+        copy written meanwhile survives). Returns the removed entries."""
+        out: list[EntryInfo] = []
+        with self._write() as txn:
+            tot = self._totals(txn)
+            for i, k in enumerate(keys):
+                e = self._get(txn, k)
+                if e is None or (locations is not None and e.location != locations[i]):
+                    continue
+                self._drop(txn, e, tot)
+                out.append(e)
+            self._put_totals(txn, tot)
+        return out
+
+    def touch(self, keys: Iterable[bytes], now_ns: int) -> None:
+        """Record a use of ``keys`` at ``now_ns`` (LRU order)."""
+        with self._write() as txn:
+            for k in keys:
+                e = self._get(txn, k)
+                if e is not None and e.atime_ns != now_ns:
+                    self._restamp(txn, e, replace(e, atime_ns=now_ns))
+
+    def lease(self, keys: Iterable[bytes], seconds: float) -> None:
+        """Promise ``keys`` to a load: eviction skips them (and every chunk they extend)
+        until the lease expires. Leases are times, so a holder that dies frees them."""
+        now = time.time_ns()
+        until = now + int(seconds * 1e9)
+        with self._write() as txn:
+            for k in keys:
+                e = self._get(txn, k)
+                if e is not None:
+                    self._restamp(txn, e, replace(e, atime_ns=max(now, e.atime_ns),
+                                                  lease_until_ns=max(until, e.lease_until_ns)))
+
+    def evict(self, target_bytes: int) -> list[EntryInfo]:
+        """Evict until at most ``target_bytes`` are occupied; the evicted entries."""
+        with self._write() as txn:
+            tot = self._totals(txn)
+            if tot.occupied <= target_bytes:
+                return []
+            out = self._evict_in(txn, target_bytes, tot, time.time_ns())
+            self._put_totals(txn, tot)
+        return out
+
+    # -- inside a write transaction -------------------------------------------------------
+    def _put_totals(self, txn: lmdb.Transaction, tot: Totals) -> None:
+        txn.put(_TOTALS_KEY, _TOTALS.pack(max(tot.records, 0), max(tot.record_bytes, 0),
+                                          max(tot.occupied, 0)), db=self._info)
+
+    def _add(self, txn: lmdb.Transaction, e: EntryInfo, tot: Totals) -> None:
+        txn.put(e.key, e.pack(), db=self._entries)
+        txn.put(e.lru_key, b"", db=self._lru)
+        if e.parent != NO_KEY:
+            txn.put(e.parent, e.key, db=self._children)
+        if e.group not in (NO_KEY, e.key):
+            txn.put(e.group, e.key, db=self._groups)
+        tot.add(e)
+
+    def _drop(self, txn: lmdb.Transaction, e: EntryInfo, tot: Totals) -> None:
+        txn.delete(e.key, db=self._entries)
+        txn.delete(e.lru_key, db=self._lru)
+        if e.parent != NO_KEY:
+            txn.delete(e.parent, e.key, db=self._children)
+        if e.group not in (NO_KEY, e.key):
+            txn.delete(e.group, e.key, db=self._groups)
+        tot.add(e, -1)
+
+    def _restamp(self, txn: lmdb.Transaction, old: EntryInfo, new: EntryInfo) -> None:
+        if new.atime_ns != old.atime_ns:
+            txn.delete(old.lru_key, db=self._lru)
+            txn.put(new.lru_key, b"", db=self._lru)
+        txn.put(new.key, new.pack(), db=self._entries)
+
+    def _dups(self, txn: lmdb.Transaction, db: object, key: bytes) -> list[bytes]:
+        cur = txn.cursor(db=db)
+        return [bytes(v) for v in cur.iternext_dup(keys=False)] if cur.set_key(key) else []
+
+    def _related(self, txn: lmdb.Transaction, key: bytes) -> list[EntryInfo]:
+        """``key`` with every chunk that extends it, transitively, and every rank's part of
+        each: what must go together."""
+        seen: dict[bytes, EntryInfo] = {}
+        todo = [key]
+        while todo:
+            k = todo.pop()
+            if k in seen:
+                continue
+            e = self._get(txn, k)
+            if e is None:
+                continue
+            seen[k] = e
+            if e.group != NO_KEY:
+                todo.append(e.group)
+                todo.extend(self._dups(txn, self._groups, e.group))
+            todo.extend(self._dups(txn, self._children, k))
+        return list(seen.values())
+
+    def _evict_in(self, txn: lmdb.Transaction, target: int, tot: Totals, now: int) -> list[EntryInfo]:
+        evicted: list[EntryInfo] = []
+        pos = b""
+        cur = txn.cursor(db=self._lru)
+        while tot.occupied > target:
+            if not cur.set_range(pos):
+                break
+            batch = [bytes(k) for k, _ in zip(cur.iternext(values=False), range(_EVICT_SCAN), strict=False)]
+            if not batch:
+                break
+            pos = batch[-1] + b"\0"
+            for lk in batch:
+                if tot.occupied <= target:
+                    break
+                e = self._get(txn, lk[8:])
+                if e is None or e.lru_key != lk:
+                    continue  # gone with an earlier victim's relatives, or restamped
+                group = self._related(txn, e.key)
+                if any(m.lease_until_ns > now for m in group):
+                    continue  # promised to a load
+                newest = max(m.atime_ns for m in group)
+                if newest > e.atime_ns:
+                    # A relative was used later, so this chunk was too (a hit on a chain's
+                    # tail reads its head, a hit on one rank reads all): move it up the order.
+                    self._restamp(txn, e, replace(e, atime_ns=newest))
+                    continue
+                for m in group:
+                    self._drop(txn, m, tot)
+                evicted.extend(group)
+        return evicted
+
+    # -- maintenance ----------------------------------------------------------------------
+    def referenced(self, key: bytes, location: int) -> bool:
+        """Whether the index names this payload (the orphan sweep's question)."""
+        e = self.get(key)
+        return e is not None and e.location == location
+
+
+def iter_unreferenced(index: StoreIndex, found: Iterable[tuple[bytes, int]], grace_s: float
+                      ) -> Iterator[tuple[bytes, int]]:
+    """Payloads ``(key, location)`` no index entry names, older than ``grace_s`` (younger
+    ones may belong to a writer between its payload write and its index commit)."""
+    for key, loc in found:
+        if location_age_s(loc) > grace_s and not index.referenced(key, loc):
+            yield key, loc

@@ -1,0 +1,259 @@
+"""LMDB environments shared by every part of a process, with the discipline LMDB requires.
+
+After py-lmdb's documentation:
+
+- one environment per process and path (LMDB's locks break if a process opens the same
+  files twice), reopened after ``fork`` (a child must never use the parent's);
+- ``set_mapsize`` only while no transaction of this process is open (LMDB forbids it, and a
+  zero-copy view from ``buffers=True`` could point into the old map): :class:`TxnGate` holds
+  new transactions off and waits for open ones to end first;
+- short read transactions; one write transaction at a time (LMDB serialises writers across
+  processes itself).
+
+The map is address space, not disk (without ``MDB_WRITEMAP`` the file grows only with the
+pages in use), so maps start large and a resize is rare.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+
+from kvtier import forksafe
+
+
+class TxnGate:
+    """Counts this process's open transactions; lets a resize or a fork wait for none.
+
+    A child must close the environment it inherited before it can open its own, and closing
+    aborts every transaction object it knows of, which writes to the reader table the parent
+    shares: a transaction another thread of the parent had open at the fork would lose its
+    reader slot. So fork waits for transactions to end, as a map resize does.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._closed_gate = False
+        self.clean = True  # (in a child) no transaction was in flight at the fork
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._cv:
+            while self._closed_gate:
+                self._cv.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self, timeout: float | None = None) -> Iterator[bool]:
+        """No transaction of this process is open inside; yields False if ``timeout`` passed
+        with some still open (the caller must then not resize)."""
+        with self._cv:
+            while self._closed_gate:
+                self._cv.wait()
+            self._closed_gate = True
+            ok = self._cv.wait_for(lambda: self._active == 0, timeout=timeout)
+        try:
+            yield ok
+        finally:
+            with self._cv:
+                self._closed_gate = False
+                self._cv.notify_all()
+
+    def before_fork(self) -> None:
+        with self._cv:
+            self._closed_gate = True
+            # bounded: a fork from inside a transaction (or an abandoned iterator) must not
+            # hang; such a child then leaves LMDB alone (see acquire_env)
+            self.clean = self._cv.wait_for(lambda: self._active == 0, timeout=10.0)
+
+    def after_fork_in_parent(self) -> None:
+        with self._cv:
+            self._closed_gate = False
+            self._cv.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._closed_gate = False
+
+
+GATE = TxnGate()
+
+# One environment per (process, path).
+_ENVS: dict[tuple[int, str], tuple[lmdb.Environment, int]] = {}
+_ENVS_LOCK = threading.Lock()
+# In a forked child: the parent's environments, to be closed (never used) before reopening.
+_INHERITED: dict[str, lmdb.Environment] = {}
+
+
+def _after_fork_in_child() -> None:
+    global _ENVS_LOCK
+    _ENVS_LOCK = threading.Lock()
+    _INHERITED.update({path: env for (_, path), (env, _) in _ENVS.items()})
+    _ENVS.clear()
+    GATE.after_fork_in_child()
+
+
+forksafe.register(forksafe.LMDB, before=GATE.before_fork, after_in_parent=GATE.after_fork_in_parent,
+                  after_in_child=_after_fork_in_child)
+
+
+def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, max_dbs: int = 8
+                ) -> lmdb.Environment:
+    """This process's environment at ``path`` (opened on first use, reference counted).
+
+    ``readahead`` is off: an index is read a few pages at a time, and readahead would make
+    the first lookups after a restart read hundreds of MiB of the map.
+    """
+    key = (os.getpid(), str(path))
+    with _ENVS_LOCK:
+        if key in _ENVS:
+            env, refs = _ENVS[key]
+            _ENVS[key] = (env, refs + 1)
+            return env
+        inherited = _INHERITED.pop(str(path), None)
+        if inherited is not None:
+            if not GATE.clean:
+                _INHERITED[str(path)] = inherited
+                raise lmdb.Error(f"{path}: forked during an LMDB transaction; the store cannot "
+                                 "be reopened in this process (open it after forking)")
+            inherited.close()  # safe: no transaction of it was in flight at the fork
+        if not readonly:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        env = lmdb.open(
+            str(path), map_size=map_size, max_dbs=max_dbs, subdir=True, readonly=readonly,
+            sync=sync, metasync=sync, readahead=False, meminit=False, lock=True, mode=0o600,
+        )
+        _ENVS[key] = (env, 1)
+        return env
+
+
+def release_env(path: Path, env: lmdb.Environment) -> None:
+    key = (os.getpid(), str(path))
+    with _ENVS_LOCK:
+        held = _ENVS.get(key)
+        if held is None or held[0] is not env:
+            return
+        if held[1] > 1:
+            _ENVS[key] = (env, held[1] - 1)
+        else:
+            del _ENVS[key]
+            env.close()
+
+
+def forget_env(path: Path, env: lmdb.Environment) -> None:
+    """Close ``env`` and drop it from the table, whatever its count (``compact`` swaps files)."""
+    with _ENVS_LOCK:
+        _ENVS.pop((os.getpid(), str(path)), None)
+        env.close()
+
+
+class EnvHandle:
+    """One user's handle on a shared environment: transactions that respect :data:`GATE`,
+    reopening after ``fork``, and map growth done safely."""
+
+    def __init__(self, path: Path, *, readonly: bool, sync: bool, map_size: int,
+                 dbs: tuple[tuple[bytes, bool], ...]) -> None:
+        self.path = path
+        self.readonly = readonly
+        self._sync = sync
+        self._map_size = map_size
+        self._db_specs = dbs  # (name, dupsort)
+        self._reopen_lock = threading.Lock()
+        self.dbs: dict[bytes, object] = {}
+        self._open()
+
+    def _open(self) -> None:
+        env = acquire_env(self.path, readonly=self.readonly, sync=self._sync, map_size=self._map_size)
+        with GATE.held():
+            if self.readonly:
+                dbs = {n: env.open_db(n, create=False, dupsort=d) for n, d in self._db_specs}
+            else:
+                with env.begin(write=True) as txn:
+                    dbs = {n: env.open_db(n, txn=txn, dupsort=d) for n, d in self._db_specs}
+        self.dbs = dbs
+        self.env = env
+        self._pid = os.getpid()  # last: other threads reopen until the new env is in place
+
+    def env_now(self) -> lmdb.Environment:
+        if os.getpid() != self._pid:  # forked: the parent's env must not be used here
+            with self._reopen_lock:
+                if os.getpid() != self._pid:
+                    self._reopen_lock = threading.Lock()
+                    self._open()
+        return self.env
+
+    @contextmanager
+    def txn(self, write: bool = False, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A transaction (committed on success, aborted on error)."""
+        env = self.env_now()
+        for _ in range(3):
+            with GATE.held():
+                try:
+                    txn = env.begin(write=write, buffers=buffers)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            self._adopt_new_size(env)
+        raise lmdb.MapResizedError(f"{self.path}: the map keeps being resized by another process")
+
+    def _adopt_new_size(self, env: lmdb.Environment) -> None:
+        """Another process grew the map: adopt its size, with no transaction of ours open."""
+        with GATE.exclusive(timeout=30.0) as ok:
+            if ok:
+                env.set_mapsize(0)
+
+    def grow(self) -> bool:
+        """Double the map (after ``MapFullError``); False if transactions stayed open."""
+        env = self.env_now()
+        with GATE.exclusive(timeout=30.0) as ok:
+            if ok:
+                env.set_mapsize(env.info()["map_size"] * 2)
+            return ok
+
+    def close(self) -> None:
+        if os.getpid() == self._pid:
+            release_env(self.path, self.env)
+
+    def compact(self) -> int:
+        """Rewrite the data file without free pages (LMDB never shrinks it in place); bytes
+        reclaimed. The caller must hold the store exclusively (no other process has it)."""
+        data = self.path / "data.mdb"
+        before = data.stat().st_size
+        tmp = self.path / "compact.tmp"
+        tmp.mkdir(mode=0o700, exist_ok=True)
+        env = self.env_now()
+        with GATE.held():
+            env.copy(str(tmp), compact=True)
+        with GATE.exclusive(timeout=30.0) as ok:
+            if not ok:
+                raise lmdb.Error(f"{self.path}: transactions stayed open; compact later")
+            forget_env(self.path, env)
+            os.replace(tmp / "data.mdb", data)
+            tmp.rmdir()
+        self._open()
+        return before - data.stat().st_size
+
+    def page_bytes(self, txn: lmdb.Transaction) -> int:
+        """Bytes of the pages this environment's databases use (what its data occupies)."""
+        st = txn.stat()
+        pages = 2 + st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        for db in self.dbs.values():
+            s = txn.stat(db)
+            pages += s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
+        return pages * st["psize"]

@@ -1,0 +1,107 @@
+"""Where record bytes live: the interface of the two payload stores (files, LMDB).
+
+A payload store only holds bytes under ``(key, location)``. It never decides what is
+stored: the index does (``index.py``). Writes happen before the index commit that makes
+them visible, removals after the commit that hides them.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvtier.backends.index import EntryInfo
+from kvtier.codec import MAX_HEADER_BYTES, decode_header
+from kvtier.errors import RecordError, RecordTooLarge
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PutItem:
+    """One record to store: its key, encoded header and payload, and where it belongs."""
+
+    key: bytes
+    header: bytes
+    payload: memoryview
+    namespace_id: bytes
+    group: bytes | None = None  # the chunk's rank-0 key (None: the key itself)
+    parent: bytes | None = None  # the key of the chunk this one extends (None: a chain head)
+    token_start: int = 0
+    num_tokens: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+
+class PayloadStore(abc.ABC):
+    """Record bytes under ``(key, location)``. Thread-safe; one per process and store."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def write_many(self, items: list[PutItem], locations: list[int]) -> list[BaseException | None]:
+        """Write records durably (per the store's durability); one error (or None) per item."""
+
+    @abc.abstractmethod
+    def read(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
+        """Call ``fn`` with a view of the record (valid only during the call); None if the
+        payload is gone (removed after the caller read the index: a miss)."""
+
+    @abc.abstractmethod
+    def read_head(self, entry: EntryInfo, n: int) -> tuple[bytes, int] | None:
+        """The record's first ``n`` bytes and its length; None if gone."""
+
+    @abc.abstractmethod
+    def delete(self, entries: list[EntryInfo]) -> None:
+        """Remove payloads the index no longer names."""
+
+    @abc.abstractmethod
+    def found(self) -> Iterator[tuple[bytes, int]]:
+        """Every payload present, as ``(key, location)`` (for the orphan sweep)."""
+
+    @abc.abstractmethod
+    def remove_found(self, key: bytes, location: int) -> None:
+        """Remove one payload the sweep found unreferenced."""
+
+    @abc.abstractmethod
+    def occupied(self, size: int) -> int:
+        """Bytes a record of ``size`` bytes takes on disk (what the budget counts)."""
+
+    def after_fork_in_child(self) -> None:  # noqa: B027 - optional hook
+        """Runs in a forked child: replace locks and threads the parent owns."""
+
+    def compact(self) -> int:
+        """Give unused space back to the filesystem where possible; bytes reclaimed."""
+        return 0
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release files and maps."""
+
+
+def oversized(head: bytes | memoryview, size: int, limit: int) -> Exception:
+    """What a record of ``size`` bytes, over this process's ``limit``, is (judged by its first
+    bytes only, never sizing a buffer by it): corrupt if its header is damaged or disagrees
+    with its length, else intact and too large (kept for a process with a higher limit)."""
+    try:
+        decode_header(memoryview(head)[:MAX_HEADER_BYTES], max_record_bytes=size, record_len=size)
+    except RecordError as exc:
+        return exc
+    return RecordTooLarge(f"record is {size} bytes, over this process's max_record_bytes ({limit}); "
+                          "skipped, not deleted (raise max_record_bytes to read it)")
+
+
+class ThreadBuffer(threading.local):
+    """A per-thread reusable read buffer, grown as needed (allocation is the slow part)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(0)
+
+    def get(self, size: int) -> memoryview:
+        if len(self.buf) < size:
+            self.buf = bytearray(max(size, len(self.buf) * 3 // 2))
+        return memoryview(self.buf)[:size]
