@@ -104,14 +104,16 @@ class KVCache:
         self._check_kv(kv, len(arr))
         kv = kv.detach().cpu()
         queued = 0
+        parent: bytes | None = None
         for ref in self.chunks(arr, extras):
+            ref_parent, parent = parent, ref.key
             if self.store.count_present_prefix([ref.key]):
                 continue
             chunk = kv.narrow(TOKEN_AXIS, ref.start, ref.num_tokens).contiguous()
             if chunk.data_ptr() == kv.data_ptr() and chunk.numel() == kv.numel():
                 chunk = chunk.clone()  # the store owns what it is given; never alias the caller's tensor
-            if self.store.put(ref.key, chunk, namespace_id=self.namespace.id,
-                              token_start=ref.start, num_tokens=ref.num_tokens):
+            if self.store.put(ref.key, chunk, namespace_id=self.namespace.id, token_start=ref.start,
+                              num_tokens=ref.num_tokens, parent=ref_parent):
                 queued += ref.num_tokens
         return queued
 

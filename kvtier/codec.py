@@ -190,7 +190,7 @@ def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30,
         raise RecordError(f"shape {shape} of {dtype} does not match raw length {raw_len}")
     if codec == CODEC_RAW and payload_len != raw_len:
         raise RecordError(f"implausible payload length {payload_len}")
-    if len(mv) > header_len:
+    if record_len is None and len(mv) > header_len:
         record_len = len(mv)
     if record_len is not None and record_len != header_len + payload_len:
         raise RecordError(f"record is {record_len} bytes, header says {header_len + payload_len}")

@@ -23,7 +23,7 @@ from enum import Enum
 import torch
 
 from kvtier import codec, forksafe
-from kvtier.backends import MARKER, Backend, PutItem, StoreLock, adopt_settings, open_backend
+from kvtier.backends import PutItem, open_shared
 from kvtier.backends.base import EntryInfo, most_recent
 from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
@@ -104,28 +104,7 @@ class ChunkStore:
         self.readonly = readonly
         self.counters = Counters()
         self._warn = _RateLimitedLog()
-        # Lock before opening an existing store, but never write a lock file into a
-        # directory that is not a store; and hold nothing if opening fails.
-        self._lock = StoreLock(config.path, exclusive=False) if (config.path / MARKER).exists() else None
-        try:
-            self.backend: Backend = open_backend(config, readonly=readonly)
-        except BaseException:
-            if self._lock is not None:
-                self._lock.release()
-            raise
-        if self._lock is None:
-            try:
-                self._lock = StoreLock(config.path, exclusive=False)
-            except BaseException:
-                self.backend.close()
-                raise
-        if not readonly:
-            try:
-                adopt_settings(self.backend, config)
-            except BaseException:
-                self.backend.close()
-                self._lock.release()
-                raise
+        self._lock, self.backend = open_shared(config, readonly=readonly)
         self.host = HostTier(config.host_bytes)
         self._pending: dict[bytes, _Pending] = {}
         self._queue: list[_Pending] = []
@@ -454,14 +433,15 @@ class ChunkStore:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in threads):
+            with self._cv:  # given up on: counted as dropped (they land if the disk recovers)
+                self.counters.add(dropped_saves=self._inflight)
             log.warning("kvtier: %s: storage I/O did not finish within %.0f s of shutdown; %s"
                         "leaving it to finish in the background", self.config.path, timeout,
                         "" if drained else "queued saves were dropped; ")
             return  # closing the backend under a running thread could crash it
         self.backend.close()
         self.host.clear()
-        if self._lock is not None:
-            self._lock.release()
+        self._lock.release()
 
     def __enter__(self) -> ChunkStore:
         return self

@@ -31,7 +31,7 @@ STORE_LAYOUT_VERSION = 2
 STORED_SETTINGS = ("disk_bytes", "max_record_bytes", "chunk_tokens", "compression", "durability")
 
 __all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "open_backend", "read_marker", "StoreLock",
-           "adopt_settings", "stored_config"]
+           "adopt_settings", "open_shared", "stored_config"]
 
 
 def _make_backend(root: Path, config: CacheConfig, readonly: bool) -> Backend:
@@ -160,3 +160,30 @@ def stored_config(root: Path, backend: str, **overrides: object) -> CacheConfig:
         finally:
             index.close()
     return CacheConfig(path=root, backend=backend, **{**values, **overrides})  # type: ignore[arg-type]
+
+
+def open_shared(config: CacheConfig, *, readonly: bool = False) -> tuple[StoreLock, Backend]:
+    """Open (creating if allowed) a store as a serving process does: under a shared
+    :class:`StoreLock`, and, for a writer, recording its settings in the store.
+
+    The lock is taken before opening an existing store, but never written into a directory
+    that is not a store; nothing is held if opening fails.
+    """
+    lock = StoreLock(config.path) if (config.path / MARKER).exists() else None
+    try:
+        backend = open_backend(config, readonly=readonly)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    try:
+        if lock is None:
+            lock = StoreLock(config.path)
+        if not readonly:
+            adopt_settings(backend, config)
+    except BaseException:
+        backend.close()
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, backend

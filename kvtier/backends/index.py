@@ -20,10 +20,12 @@ reverse: the commit that drops an entry comes first, and the payload goes afterw
 crash between the two leaves an unreferenced payload, never an entry without its data; the
 orphan sweep removes such payloads once they are older than a grace period.
 
-Eviction (see :meth:`StoreIndex._evict_in`) takes the least recently used chunk together
-with every chunk that extends it (a chain's tail is useless without its head) and the other
-ranks' parts of each (a hit needs every rank), skips anything under a lease (a load was
-promised), and counts a chunk as recent as its most recently used relative.
+Eviction (see :meth:`StoreIndex._evict_in`) walks the chunks least recently used first. A
+chunk counts as recent as its most recently used relative: the chunks that extend it (a
+hit on a chain's tail reads its head) and its other tensor-parallel ranks (a hit needs
+every rank). It removes a chain tail first (chunk i is useless without chunks 0..i-1, so
+a head never goes before its tail), every rank of a chunk together, and skips anything
+under a lease (a load was promised).
 """
 
 from __future__ import annotations
@@ -364,12 +366,23 @@ class StoreIndex:
                 newest = max(m.atime_ns for m in group)
                 if newest > e.atime_ns:
                     # A relative was used later, so this chunk was too (a hit on a chain's
-                    # tail reads its head, a hit on one rank reads all): move it up the order.
-                    self._restamp(txn, e, replace(e, atime_ns=newest))
+                    # tail reads its head, a hit on one rank reads all): move it up the order,
+                    # and visit it again there (the scan may have passed that place already).
+                    moved = replace(e, atime_ns=newest)
+                    self._restamp(txn, e, moved)
+                    pos = min(pos, moved.lru_key)
                     continue
-                for m in group:
+                # Tail first: deepest chunks first (a chunk's extensions start later than it
+                # does), every rank of a chunk together, until enough is free; what is left
+                # of the chain keeps its head.
+                members = sorted(group, key=lambda m: (-m.token_start, m.group, m.key))
+                for i, m in enumerate(members):
                     self._drop(txn, m, tot)
-                evicted.extend(group)
+                    evicted.append(m)
+                    last_of_chunk = i + 1 == len(members) or members[i + 1].group != m.group \
+                        or m.group == NO_KEY
+                    if last_of_chunk and tot.occupied <= target:
+                        break
         return evicted
 
     # -- maintenance ----------------------------------------------------------------------

@@ -3,8 +3,8 @@
 - :func:`open_store` opens an existing store (never creates one) with the backend its
   marker names, read-only unless asked, under a *shared* :class:`StoreLock` — the same lock
   a serving process holds — so ``kvtier compact`` cannot swap files underneath it.
-- :func:`read_header` reads and checks one record's header without its payload (for the
-  files backend it reads the first bytes of the file instead of the whole record).
+- :func:`read_header` reads and checks one record's header without its payload (its first
+  bytes only).
 - :func:`resolve_namespaces` turns ``--namespace HEXPREFIX`` / ``--model NAME`` into ids.
 
 Nothing here holds an LMDB read transaction for long: ``entries()`` is drained into a list
@@ -24,14 +24,14 @@ from pathlib import Path
 from kvtier.backends import Backend, EntryInfo, StoreLock, open_backend, read_marker, stored_config
 from kvtier.cli._common import NotFoundError, UsageError
 from kvtier.codec import RecordHeader, decode_header, verify_payload
-from kvtier.errors import IncompatibleRecord, RecordError, StoreError
+from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge, StoreError
 from kvtier.keys import KEY_BYTES, Namespace
 
 # Enough for any header: fixed part + 8 dims * 8 bytes + header checksum (< 256 bytes).
 _HEADER_READ = 512
 _HEADER_LEN_AT = struct.Struct("<8sHH")  # magic, format_version, header_len
 # What a record can fail with when read: classified by :func:`problem`.
-RECORD_PROBLEMS = (RecordError, OSError)
+RECORD_PROBLEMS = (RecordError, RecordTooLarge, OSError)
 BATCH = 256  # keys per delete: keeps each LMDB write transaction short
 
 
@@ -84,14 +84,10 @@ def delete_in_batches(backend: Backend, keys: list[bytes]) -> int:
 
 # -- headers and checks ---------------------------------------------------------------
 def record_file(backend: Backend, key: bytes) -> Path | None:
-    """Where the files backend keeps ``key`` (None for other backends)."""
-    if backend.name != "files":
-        return None
-    path_of = getattr(backend, "_path", None)
-    if path_of is None:
-        return None
-    p = path_of(key)
-    return p if isinstance(p, Path) else None
+    """Where the files backend keeps ``key``'s record (None for other backends or if absent)."""
+    path_of = getattr(backend.payloads, "path_of", None)
+    entry = backend.lookup(key) if path_of is not None else None
+    return None if entry is None else path_of(entry.key, entry.location)
 
 
 def _max_record_bytes(backend: Backend) -> int:
@@ -106,9 +102,9 @@ def _check_identity(header: RecordHeader, key: bytes) -> RecordHeader:
 
 
 def problem(exc: Exception) -> tuple[str, str]:
-    """``(kind, why)`` of one of :data:`RECORD_PROBLEMS`: kind is incompatible (another
-    format version, intact), corrupt or unreadable."""
-    if isinstance(exc, IncompatibleRecord):
+    """``(kind, why)`` of one of :data:`RECORD_PROBLEMS`: kind is incompatible (intact, but
+    another format version or over this store's max_record_bytes), corrupt or unreadable."""
+    if isinstance(exc, IncompatibleRecord | RecordTooLarge):  # intact: never removed
         return "incompatible", str(exc)
     if isinstance(exc, RecordError):
         return "corrupt", str(exc)
@@ -133,17 +129,8 @@ def read_header(backend: Backend, key: bytes) -> RecordHeader | None:
 
     Raises :class:`RecordError` for a malformed header, ``OSError`` if unreadable.
     """
-    limit = _max_record_bytes(backend)
-    path = record_file(backend, key)
-    if path is not None:
-        try:
-            with open(path, "rb", buffering=0) as f:
-                head = f.read(_HEADER_READ)
-                size = os.fstat(f.fileno()).st_size
-        except FileNotFoundError:
-            return None
-        return parse_header(head, size, key, limit)
-    return backend.read(key, lambda view: _check_identity(decode_header(view, max_record_bytes=limit), key))
+    got = backend.read_head(key, _HEADER_READ)
+    return None if got is None else parse_header(got[0], got[1], key, _max_record_bytes(backend))
 
 
 def check_record(backend: Backend, key: bytes) -> RecordHeader | None:

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -40,7 +39,6 @@ from kvtier.cli._store import (
     parse_hex,
     problem,
     read_header,
-    record_file,
     resolve_namespaces,
     snapshot,
 )
@@ -98,17 +96,7 @@ def run(args: argparse.Namespace) -> int:
 def _entry_of(backend: Backend, key: bytes, entries: list[EntryInfo] | None) -> EntryInfo | None:
     if entries is not None:
         return next((e for e in entries if e.key == key), None)
-    path = record_file(backend, key)
-    if path is not None:
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return None
-        return EntryInfo(key, st.st_size, st.st_mtime_ns, b"")
-    for e in backend.entries():
-        if e.key == key:
-            return e
-    return None
+    return backend.lookup(key)
 
 
 def _examine(backend: Backend, key: bytes) -> tuple[RecordHeader | None, str]:

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.store import ChunkStore
+from kvtier.store_view import StoreView
 from kvtier.vllm.compat import startup_problem
 from kvtier.vllm.identity import IdentityUnavailable, LoraFingerprints, model_fingerprint
 from kvtier.vllm.layout import BACKEND_CONTENT, UnsupportedLayout, probe_cpu_layout
@@ -109,7 +110,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         ktc.kv_load_failure_policy = self.settings.load_failure_policy
         self._can_save = ktc.kv_role in ("kv_both", "kv_producer")
         self._can_load = ktc.kv_role in ("kv_both", "kv_consumer")
-        self._store: ChunkStore | None = None
+        self._store: ChunkStore | None = None  # the worker side's tiered store
+        self._view: StoreView | None = None  # the scheduler side's lookups
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self.disabled_reason: str | None = None
@@ -159,8 +161,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         # worker's copy of the config, so records take the scheduler's namespace ids from the
         # step metadata rather than this process's own.
         self._identity = model_identity(vllm_config)
-        # Open the store first: the weights-fingerprint cache lives inside it.
-        self._store = ChunkStore(self.settings.cache)
+        # Open the store first: the weights-fingerprint cache lives inside it. The scheduler
+        # only looks up (the shared index); workers save and load.
+        if role == KVConnectorRole.SCHEDULER:
+            self._view = StoreView(self.settings.cache)
+        else:
+            self._store = ChunkStore(self.settings.cache)
         fingerprints = self.settings.cache.path / "fingerprints.json"
         self._fingerprint = model_fingerprint(vllm_config, self.settings.weights_fingerprint, fingerprints)
         if role == KVConnectorRole.SCHEDULER:
@@ -169,7 +175,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                           self.settings.cache.chunk_tokens, self._fingerprint,
                                           self._identity, r, tp) for r in range(tp)]
             loras = LoraFingerprints(fingerprints, getattr(vllm_config.load_config, "download_dir", None))
-            self._sched = SchedulerSide(self._store, namespaces, geometry.block_size, loras,
+            self._sched = SchedulerSide(self._view, namespaces, geometry.block_size, loras,
                                         can_load=self._can_load, can_save=self._can_save,
                                         save_partial=self.settings.save_partial_chunks,
                                         load_async=self.settings.load_async)
@@ -181,6 +187,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._view is not None:
+            self._view.close()
+            self._view = None
 
     def _disable(self, reason: str) -> None:
         self.disabled_reason = reason

@@ -34,6 +34,9 @@ class SaveSpec:
     token_start: int
     num_tokens: int
     block_ids: list[int]
+    # per rank: the key of the chunk this one extends (empty for a chain's first chunk);
+    # eviction keeps chains whole with it
+    parent_keys: tuple[bytes, ...] = ()
 
 
 @dataclass

@@ -22,12 +22,16 @@ from kvtier.keys import (
     match_prefix,
     ranked_chunk_keys,
 )
-from kvtier.store import ChunkStore
+from kvtier.store_view import StoreView
 from kvtier.vllm.identity import LoraFingerprints
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.vllm.namespace import request_extras
 
 log = logging.getLogger("kvtier")
+# How long chunks promised to a load stay safe from eviction (by any process). A load
+# normally starts within a step or two; a request queued longer than this may find a chunk
+# gone, which costs a recompute, never wrong KV.
+LOAD_LEASE_S = 120.0
 
 
 @dataclass
@@ -47,14 +51,14 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, store: ChunkStore, namespaces: list[Namespace], block_size: int,
+    def __init__(self, store: StoreView, namespaces: list[Namespace], block_size: int,
                  loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool,
                  load_async: bool = True) -> None:
         self.store = store
         self.namespaces = namespaces  # one per tensor-parallel rank
         self.namespace_ids = tuple(ns.id for ns in namespaces)
         for ns in namespaces:
-            store.backend.register_namespace(ns.id, ns.describe())
+            store.register_namespace(ns.id, ns.describe())
         self.block_size = block_size
         self.loras = loras
         self.chunk_tokens = namespaces[0].chunk_tokens
@@ -118,6 +122,10 @@ class SchedulerSide:
         if end <= num_computed_tokens:
             return 0, False
         plan = [(c, min(c.end, end) - c.start) for c in hits if c.end > num_computed_tokens and c.start < end]
+        # Lease the last chunk promised, on every rank: eviction keeps it and everything it
+        # extends (its chain's head) until the load is done.
+        if plan:
+            self.store.lease(plan[-1][0].keys, LOAD_LEASE_S)
         self._plans[request.request_id] = (num_computed_tokens, plan)
         self.hit_tokens += end - num_computed_tokens
         return end - num_computed_tokens, self.load_async
@@ -175,8 +183,9 @@ class SchedulerSide:
             st.next_save += 1
             if c.end // bs > len(st.block_ids):
                 continue  # blocks not known (should not happen): skip rather than save garbage
+            parent = st.to_save[st.next_save - 2].keys if st.next_save >= 2 else ()
             meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
-                                       st.block_ids[c.start // bs : c.end // bs]))
+                                       st.block_ids[c.start // bs : c.end // bs], parent))
 
     def request_finished(self, request: Any) -> bool:
         """Forget the request. Never holds its blocks: the worker's copies of a step's saves

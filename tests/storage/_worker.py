@@ -126,7 +126,7 @@ def fork_family(path: str, backend: str, seconds: float, universe: int, children
         cache.save(toks, H.make_kv(toks))
     assert cache.flush(30)
     backend_obj = cache.store.backend
-    env_before = getattr(backend_obj, "_env", None)
+    env_before = backend_obj.index.env.env
     # a thread keeps reading while we fork: a fork must not catch a transaction mid-flight
     stop = threading.Event()
 
@@ -148,7 +148,7 @@ def fork_family(path: str, backend: str, seconds: float, universe: int, children
             try:
                 mine = cache if c % 2 == 0 else H.open_cache(path, backend, **cfg)
                 rep = mix_loop(mine, 100 + c, seconds, universe)
-                rep["env_reopened"] = env_before is None or mine.store.backend._env is not env_before
+                rep["env_reopened"] = mine.store.backend.index.env.env is not env_before
                 rep["inherited"] = mine is cache
                 mine.close()
                 _send(w, rep)
@@ -266,7 +266,43 @@ def handle(req: dict[str, Any]) -> Any:
     raise ValueError(f"unknown command {cmd!r}")
 
 
-FUNCTIONS = {"write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family}
+def evict_store(path: str, backend: str, target_bytes: int) -> dict[str, Any]:
+    """Another process evicts the store down to ``target_bytes`` (what ``kvtier evict`` and a
+    writer's budget do)."""
+    from kvtier import ChunkStore
+
+    with ChunkStore(H.config(path, backend), readonly=False) as store:
+        n, freed = store.backend.evict_lru(target_bytes)
+    return {"evicted": n, "freed": freed}
+
+
+def ranked_writer(path: str, backend: str, server: int, rank: int, tp: int, prompts: list[int],
+                  cfg: dict[str, Any], start_at: float = 0.0) -> dict[str, Any]:
+    """One tensor-parallel rank of a server: saves each prompt's chunks under this rank's
+    keys, as a connector's worker does (rank group and chain parent given)."""
+    from kvtier import ChunkStore
+    from kvtier.keys import chain_seed, ranked_chunk_keys
+
+    torch.set_num_threads(1)
+    seeds = [chain_seed(H.namespace(tp_rank=r, tp_size=tp)) for r in range(tp)]
+    ns_id = H.namespace(tp_rank=rank, tp_size=tp).id
+    time.sleep(max(0.0, start_at - time.time()))
+    with ChunkStore(H.config(path, backend, **cfg)) as store:
+        for p in prompts:
+            toks = H.tokens(1000 * server + p, 3 * H.CHUNK)
+            chunks = ranked_chunk_keys(toks, seeds, H.CHUNK, None)
+            for i, c in enumerate(chunks):
+                kv = H.make_kv(toks[c.start:c.end], start=c.start)
+                store.put(c.keys[rank], kv, namespace_id=ns_id, token_start=c.start,
+                          num_tokens=c.end - c.start, group=c.keys[0],
+                          parent=chunks[i - 1].keys[rank] if i else None)
+            store.flush(60)
+        st = store.stats()
+    return {"stats": st}
+
+
+FUNCTIONS = {"write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family,
+             "evict_store": evict_store, "ranked_writer": ranked_writer}
 
 
 def zygote() -> None:

@@ -1,0 +1,54 @@
+"""A store as vLLM's scheduler sees it: lookups and leases on the shared index, nothing more.
+
+The scheduler only answers "how much of this prompt is stored?" and promises what it
+answered to a load. It needs no writer thread, host tier or I/O pools, and it must not keep
+a view of its own: every answer comes from the store's index, which every worker and every
+other server updates, so it never promises a chunk another process has evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvtier.backends import open_shared
+from kvtier.config import CacheConfig
+
+log = logging.getLogger("kvtier")
+
+
+class StoreView:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self._lock, self.backend = open_shared(config)
+        self.lookup_errors = 0
+        self._closed = False
+
+    def count_present_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the store holds (0 if the index cannot be read)."""
+        try:
+            return self.backend.count_present_prefix(keys)
+        except Exception as exc:  # a lookup fault is a miss, never a failed request
+            self.lookup_errors += 1
+            log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
+            return 0
+
+    def lease(self, keys: Sequence[bytes], seconds: float) -> bool:
+        """Keep ``keys``, and the chunks they extend, from eviction for ``seconds`` (the
+        loads promised to vLLM). False if the lease could not be written: the load may then
+        find a chunk evicted, which is a recompute, not an error."""
+        try:
+            self.backend.lease(keys, seconds)
+            return True
+        except Exception as exc:
+            log.warning("kvtier: could not lease chunks for a load (%s)", exc)
+            return False
+
+    def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
+        self.backend.register_namespace(namespace_id, description)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.backend.close()
+            self._lock.release()

@@ -1,0 +1,317 @@
+"""The store's shared index as the one source of truth, with real processes and real files:
+what one process evicts, no other process still promises; budgets hold across writers;
+eviction keeps chains and tensor-parallel rank tuples whole and respects leases; a record
+over one process's size limit is another process's, never deleted as corrupt."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kvhelpers import CHUNK, Zygote, config, make_kv, open_cache, same_bits, tokens
+
+from kvtier import ChunkStore, codec
+from kvtier.backends import PutItem
+from kvtier.backends.index import NO_KEY
+from kvtier.store import Outcome
+from kvtier.store_view import StoreView
+
+TOKS = tokens(5, 6 * CHUNK)
+
+
+@pytest.fixture(params=["lmdb", "files"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_eviction_by_another_process_is_seen_at_once(zygote: Zygote, tmp_path: Path, backend: str) -> None:
+    """A scheduler view and a worker's store, both open before another process evicts, report
+    only what is left, and everything they report loads; the worker does not skip saving a
+    chunk that is gone from the store but still in its own memory."""
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        keys = [c.key for c in cache.chunks(TOKS)]
+        view = StoreView(config(store, backend))
+        try:
+            assert view.count_present_prefix(keys) == 6
+            half = cache.store.backend.occupied() // 2
+            rep = zygote.request("call", fn="evict_store",
+                                 kwargs={"path": str(store), "backend": backend, "target_bytes": half})
+            assert rep["evicted"] == 3, rep
+            # the chain's tail went first: the head still serves a 3-chunk prefix
+            assert view.count_present_prefix(keys) == 3
+            assert cache.store.count_present_prefix(keys) == 3
+            assert cache.lookup(TOKS) == 3 * CHUNK
+            for k in keys[:3]:
+                assert cache.store.load(k).outcome is Outcome.HIT
+            # the evicted chunks are still in this process's host tier, but not stored: saved again
+            assert keys[5] in cache.store.host
+            assert cache.save(TOKS, make_kv(TOKS)) == 3 * CHUNK
+            assert cache.flush(30)
+            assert view.count_present_prefix(keys) == 6
+        finally:
+            view.close()
+    with open_cache(store, backend) as cache:
+        assert same_bits(cache.load(TOKS), make_kv(TOKS))
+
+
+def _item(key: bytes, i: int, parent: bytes | None = None, group: bytes | None = None) -> PutItem:
+    kv = make_kv(tokens(100 + i, CHUNK))
+    header, payload = codec.encode(kv, key=key, namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+    return PutItem(key, header, payload, bytes(16), group=group, parent=parent)
+
+
+def _key(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def test_eviction_keeps_chains_and_rank_tuples_whole(tmp_path: Path, backend: str) -> None:
+    """LRU alone would evict a chain's old head and strand its newer tail, or split a chunk's
+    ranks; the index evicts a tail before its head and every rank of a chunk together."""
+    with ChunkStore(config(tmp_path / "s", backend)) as store:
+        b = store.backend
+        a0, a1, a2, x, r0, r1, y = (_key(n) for n in ("a0", "a1", "a2", "x", "r0", "r1", "y"))
+        b.put_many([_item(a0, 0), _item(a1, 1, parent=a0), _item(a2, 2, parent=a1), _item(x, 3),
+                    _item(r0, 4, group=r0), _item(r1, 5, group=r0), _item(y, 6)])
+        # last uses: the head a0 oldest, its tail newest; rank 0 of a chunk old, rank 1 new
+        for t, k in enumerate((a0, r0, x, y, a1, a2, r1), start=1):
+            b.touch([k], t)
+        one, size = b.occupied() // 7, b.lookup(x).size
+        # Evicting one record's worth: a0 and r0 are the oldest, but each is as recent as
+        # its newest relative, so x goes.
+        assert b.evict_lru(6 * one) == (1, size)
+        present = {k for k in (a0, a1, a2, x, r0, r1, y) if b.count_present_prefix([k])}
+        assert present == {a0, a1, a2, r0, r1, y}
+        # Down to two records: y (last use 4) goes, then the whole chain (as recent as its
+        # tail, 6), before the rank pair (7).
+        n, _ = b.evict_lru(2 * one)
+        present = {k for k in (a0, a1, a2, r0, r1, y) if b.count_present_prefix([k])}
+        assert present == {r0, r1}, present
+        assert n == 4
+        # The pair goes together, never one rank alone.
+        assert b.evict_lru(one)[0] == 2
+        assert b.usage() == (0, 0)
+
+
+def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, tmp_path: Path,
+                                                               backend: str) -> None:
+    """Chunks promised to a load (a lease on the last one) are kept, with the head they
+    extend, whatever another process evicts; an expired lease protects nothing."""
+    store = tmp_path / "s"
+    other = tokens(6, 2 * CHUNK)
+    with open_cache(store, backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        cache.save(other, make_kv(other))
+        assert cache.flush(30)
+        keys = [c.key for c in cache.chunks(TOKS)]
+        view = StoreView(config(store, backend))
+        try:
+            assert view.lease(keys[-1:], 60.0)
+            rep = zygote.request("call", fn="evict_store",
+                                 kwargs={"path": str(store), "backend": backend, "target_bytes": 0})
+            assert rep["evicted"] == 2, rep  # only the unleased prompt
+            assert view.count_present_prefix(keys) == 6
+            assert view.lease(keys[-1:], 0.0)  # a lease only ever grows: this changes nothing
+            assert zygote.request("call", fn="evict_store", kwargs={
+                "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
+        finally:
+            view.close()
+        # a lease is a time: once it has passed, the chain can go
+        b = cache.store.backend
+        short = [c.key for c in cache.chunks(other)]
+        cache.save(other, make_kv(other))
+        assert cache.flush(30)
+        b.lease(short[-1:], 0.05)
+        time.sleep(0.1)
+        assert b.evict_lru(b.occupied() - 2 * (b.occupied() // 8))[0] == 2
+        assert b.count_present_prefix(short) == 0 and b.count_present_prefix(keys) == 6
+
+
+def test_writers_in_several_processes_share_one_budget(zygote: Zygote, tmp_path: Path, backend: str) -> None:
+    """Four writer processes (two servers with two tensor-parallel ranks each) under one
+    budget: the bytes the index publishes stay within it, the files on disk within it plus
+    each writer's batch in flight; and in every snapshot taken while they evict, each chunk
+    of an earlier server is whole on both ranks and has its chain's head."""
+    store = tmp_path / "s"
+    budget = 2 << 20
+    batch = 128 << 10
+    roomy = {"disk_bytes": "64M", "commit_bytes": batch}
+    tight = {"disk_bytes": budget, "commit_bytes": batch}
+    # Server 1 fills most of the budget: 8 prompts x 3 chunks x 2 ranks (about 1.7 MiB).
+    first = [{"fn": "ranked_writer", "kwargs": {"path": str(store), "backend": backend, "server": 1,
+                                                 "rank": r, "tp": 2, "prompts": list(range(8)), "cfg": roomy}}
+             for r in (0, 1)]
+    for rep in zygote.request("parallel", calls=first, timeout=120):
+        assert "error" not in rep, rep
+    with ChunkStore(config(store, backend, **roomy), readonly=True) as s:
+        full = {e.key: e for e in s.backend.entries()}
+    assert len(full) == 48
+    ranks = {}
+    for k, e in full.items():
+        ranks.setdefault(e.group, set()).add(k)
+    assert all(len(v) == 2 for v in ranks.values())
+
+    # Four processes then write under the tight budget at once; sample the store meanwhile.
+    samples: list[tuple[int, int]] = []
+    problems: list[str] = []
+    seen_partial = [0]
+    stop = threading.Event()
+
+    def check(present: set[bytes]) -> None:
+        mine = present & full.keys()
+        if 0 < len(mine) < len(full):
+            seen_partial[0] += 1
+        for k in mine:
+            e = full[k]
+            if not ranks[e.group] <= present:
+                problems.append(f"rank tuple split: {k.hex()[:8]}")
+            if e.parent != NO_KEY and e.parent not in present:
+                problems.append(f"chain head gone before its tail: {k.hex()[:8]}")
+
+    def sample() -> None:
+        with ChunkStore(config(store, backend, **tight), readonly=True) as s:
+            while not stop.is_set():
+                on_disk = sum(f.stat().st_size for f in (store / "files").rglob("*.kvt")) \
+                    if backend == "files" else 0
+                samples.append((s.backend.occupied(), on_disk))
+                check({e.key for e in s.backend.entries()})
+                time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    start = time.time() + 0.5
+    calls = [{"fn": "ranked_writer", "kwargs": {"path": str(store), "backend": backend, "server": srv,
+                                                 "rank": r, "tp": 2, "prompts": list(range(20)),
+                                                 "cfg": tight, "start_at": start}}
+             for srv in (2, 3) for r in (0, 1)]
+    sampler.start()
+    try:
+        reps = zygote.request("parallel", calls=calls, timeout=180)
+    finally:
+        stop.set()
+        sampler.join()
+    for rep in reps:
+        assert "error" not in rep, rep
+    assert sum(r["stats"]["evicted_disk"] for r in reps) > 0
+    assert not problems, problems[:5]
+    assert seen_partial[0] > 0, "no snapshot caught the first server's chunks partly evicted"
+    assert max(occ for occ, _ in samples) <= budget, max(samples)
+    if backend == "files":
+        assert max(disk for _, disk in samples) <= budget + 4 * batch, max(samples)
+    with ChunkStore(config(store, backend, **tight), readonly=True) as s:
+        check({e.key for e in s.backend.entries()})
+        assert s.backend.occupied() <= budget
+    assert not problems, problems[:5]
+
+
+def test_a_smaller_record_limit_keeps_larger_records(tmp_path: Path, backend: str) -> None:
+    """A process with a smaller max_record_bytes skips a larger (intact) record as too large,
+    and never deletes it; `kvtier verify --remove-corrupt` keeps it too."""
+    from kvtier.cli.main import main
+
+    store = tmp_path / "s"
+    toks = tokens(9, CHUNK)
+    with open_cache(store, backend) as cache:
+        cache.save(toks, make_kv(toks))
+        (ref,) = cache.chunks(toks)
+    record = 8 + CHUNK * 512 * 2  # well over 4 KiB
+    assert record > 8 << 10
+    with open_cache(store, backend, max_record_bytes="8K") as small:
+        got = small.store.load(ref.key)
+        assert got.outcome is Outcome.TOO_LARGE and got.tensor is None
+        assert "max_record_bytes" in got.why
+        st = small.stats()
+        assert st["oversized_records"] == 1 and st["corrupt_records"] == 0 and st["misses"] == 1
+        assert small.store.backend.count_present_prefix([ref.key]) == 1
+    # the CLI reads the store's recorded settings (the last writer's: 8K) and keeps the record
+    assert main(["verify", str(store), "--remove-corrupt", "--json"]) == 0
+    with open_cache(store, backend) as cache:
+        assert cache.store.load(ref.key).outcome is Outcome.HIT
+        assert same_bits(cache.load(toks), make_kv(toks))
+
+
+def test_settings_are_stored_with_the_store(tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture
+                                            ) -> None:
+    """The budget and limits every process uses are the ones recorded in the store; a writer
+    that changes them says so."""
+    from kvtier.backends import stored_config
+
+    store = tmp_path / "s"
+    with open_cache(store, backend, disk_bytes="3M", max_record_bytes="2M"):
+        pass
+    cfg = stored_config(store, backend)
+    assert (cfg.disk_bytes, cfg.max_record_bytes, cfg.chunk_tokens) == (3 << 20, 2 << 20, CHUNK)
+    with caplog.at_level("WARNING", logger="kvtier"), open_cache(store, backend, disk_bytes="5M") as c:
+        assert c.store.backend.budget() == 5 << 20
+    assert "disk_bytes 3145728 -> 5242880" in caplog.text
+
+
+def test_orphan_payloads_of_a_killed_writer_are_swept(tmp_path: Path, backend: str) -> None:
+    """A payload written but never published (its writer died before the index commit) is
+    invisible, and the sweep removes it once it is older than the grace period."""
+    store = tmp_path / "s"
+    with ChunkStore(config(store, backend)) as s:
+        b = s.backend
+        item = _item(_key("orphan"), 1)
+        old = (int(time.time()) - 3600) << 32 | 7  # written an hour ago
+        assert b.payloads.write_many([item], [old]) == [None]
+        young = (int(time.time())) << 32 | 8
+        assert b.payloads.write_many([item], [young]) == [None]
+        assert b.count_present_prefix([item.key]) == 0 and b.lookup(item.key) is None
+        assert b.sweep_orphans() == 1  # the young one may be a live writer's: kept
+        assert set(b.payloads.found()) == {(item.key, young)}
+        assert b.sweep_orphans(grace_s=0) == 1
+        assert set(b.payloads.found()) == set()
+
+
+def test_one_failed_record_does_not_drop_its_batch(tmp_path: Path) -> None:
+    """Files: a record whose file cannot be written fails alone; its neighbours are stored."""
+    store = tmp_path / "s"
+    with ChunkStore(config(store, "files")) as s:
+        b = s.backend
+        good, bad = _item(_key("good"), 1), _item(_key("bad"), 2)
+        shard = b.payloads.path_of(bad.key, 0).parent
+        shard.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shard.write_bytes(b"")  # a file where the record's directory must go
+        res = b.put_many([good, bad])
+        assert [it.key for it in res.stored] == [good.key]
+        assert [it.key for it, _ in res.failed] == [bad.key]
+        assert b.count_present_prefix([good.key]) == 1 and b.count_present_prefix([bad.key]) == 0
+        assert b.read(good.key, len) == good.size
+
+
+def test_close_is_bounded_when_the_disk_hangs(tmp_path: Path) -> None:
+    """A writer stuck in I/O does not hang shutdown: close returns after close_timeout_s,
+    the unwritten saves counted as dropped."""
+    store = ChunkStore(config(tmp_path / "s", "lmdb", close_timeout_s=0.5))
+    store.backend._write_lock.acquire()  # the disk "hangs": the writer blocks in its first batch
+    try:
+        for i in range(3):
+            store.put(_key(f"k{i}"), make_kv(tokens(i, CHUNK)), namespace_id=bytes(16), token_start=0,
+                      num_tokens=CHUNK)
+        t0 = time.monotonic()
+        store.close()
+        assert time.monotonic() - t0 < 3.0
+        assert store.counters.snapshot()["dropped_saves"] >= 1
+    finally:
+        store.backend._write_lock.release()
+
+
+def test_store_marker_of_the_previous_layout_is_refused_with_advice(tmp_path: Path, backend: str) -> None:
+    from kvtier.backends import MARKER
+    from kvtier.errors import StoreFormatError
+
+    store = tmp_path / "s"
+    with open_cache(store, backend):
+        pass
+    marker = json.loads((store / MARKER).read_text())
+    marker["layout_version"] = 1
+    (store / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(StoreFormatError, match="before the shared index.*delete the directory"):
+        ChunkStore(config(store, backend))
+    assert os.path.exists(store / MARKER)
