@@ -14,6 +14,7 @@ from enginehelpers import tokens
 
 from kvtier import CacheConfig, ChunkStore, Namespace
 from kvtier.keys import as_token_array, chain_seed, chunk_keys
+from kvtier.store_view import StoreView
 from kvtier.vllm.identity import LoraFingerprints
 from kvtier.vllm.scheduler_side import SchedulerSide
 
@@ -66,10 +67,12 @@ def test_hit_requires_every_ranks_chunk(tmp_path: Path) -> None:
     for i in range(2):
         store.put(refs[1][i].key, kv.clone(), namespace_id=nss[1].id, token_start=i * 64, num_tokens=64)
     store.flush()
-    side = SchedulerSide(store, nss, 32, LoraFingerprints(None), can_load=True, can_save=True, save_partial=False)
+    view = StoreView(store.config)  # what the scheduler side reads: the store's shared index
+    side = SchedulerSide(view, nss, 32, LoraFingerprints(None), can_load=True, can_save=True, save_partial=False)
     req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, cache_salt=None, lora_request=None,
                           mm_features=[], prompt_embeds=None)
     assert side.get_num_new_matched_tokens(req, 0) == (128, True)
-    single = SchedulerSide(store, nss[:1], 32, LoraFingerprints(None), can_load=True, can_save=True, save_partial=False)
+    single = SchedulerSide(view, nss[:1], 32, LoraFingerprints(None), can_load=True, can_save=True, save_partial=False)
     assert single.get_num_new_matched_tokens(req, 0) == (256, True)
+    view.close()
     store.close()
