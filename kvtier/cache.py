@@ -105,7 +105,9 @@ class KVCache:
         kv = kv.detach().cpu()
         queued = 0
         parent: bytes | None = None
-        for ref in self.chunks(arr, extras):
+        refs = self.chunks(arr, extras)
+        head = refs[0].key if refs else None
+        for ref in refs:
             ref_parent, parent = parent, ref.key
             if self.store.count_present_prefix([ref.key]):
                 continue
@@ -113,7 +115,7 @@ class KVCache:
             if chunk.data_ptr() == kv.data_ptr() and chunk.numel() == kv.numel():
                 chunk = chunk.clone()  # the store owns what it is given; never alias the caller's tensor
             if self.store.put(ref.key, chunk, namespace_id=self.namespace.id, token_start=ref.start,
-                              num_tokens=ref.num_tokens, parent=ref_parent):
+                              num_tokens=ref.num_tokens, parent=ref_parent, head=head):
                 queued += ref.num_tokens
         return queued
 

@@ -60,6 +60,7 @@ class _Pending:
     num_tokens: int
     group: bytes | None
     parent: bytes | None
+    head: bytes | None
 
     @property
     def nbytes(self) -> int:
@@ -138,18 +139,20 @@ class ChunkStore:
 
     # -- saves ---------------------------------------------------------------------
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
-            num_tokens: int, group: bytes | None = None, parent: bytes | None = None) -> bool:
+            num_tokens: int, group: bytes | None = None, parent: bytes | None = None,
+            head: bytes | None = None) -> bool:
         """Queue a chunk for the persistent tier (and keep it in the host tier).
 
-        ``parent`` is the key of the chunk this one extends (None for a chain's first chunk)
-        and ``group`` the chunk's rank-0 key under tensor parallelism: eviction keeps chains
-        and rank tuples whole with them. The store takes ownership of ``tensor`` (a CPU
+        ``parent`` is the key of the chunk this one extends (None for a chain's first chunk),
+        ``head`` the key of the chain's first chunk, and ``group`` the chunk's rank-0 key
+        under tensor parallelism: eviction keeps chains and rank tuples whole with them, and
+        lookups read a prompt's chunks side by side. The store takes ownership of ``tensor`` (a CPU
         tensor; do not modify it afterwards). Returns False if the save was dropped because
         the write queue is full or closed.
         """
         if self.readonly:
             raise RuntimeError("store opened read-only")
-        item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent)
+        item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head)
         with self._cv:
             if self._closed or key in self._pending:
                 return not self._closed
@@ -223,7 +226,7 @@ class ChunkStore:
                 num_tokens=p.num_tokens, compression=self.config.compression,
                 level=self.config.compression_level)
             items.append(PutItem(p.key, header, payload, p.namespace_id, p.group, p.parent,
-                                 p.token_start, p.num_tokens))
+                                 p.token_start, p.num_tokens, p.head))
         try:
             res = self.backend.put_many(items)
         except Exception as exc:  # the index commit failed (disk full, I/O, ...)

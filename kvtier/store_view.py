@@ -33,6 +33,17 @@ class StoreView:
             log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
             return 0
 
+    def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]]) -> int:
+        """How many leading chunks ``(token_start, key)`` of the chain whose first chunk is
+        ``head`` the store holds (0 if the index cannot be read). Reads the chain's chunks
+        where the index keeps them side by side: a few pages per prompt, also when cold."""
+        try:
+            return self.backend.count_present_chain(head, spans)
+        except Exception as exc:
+            self.lookup_errors += 1
+            log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
+            return 0
+
     def lease(self, keys: Sequence[bytes], seconds: float) -> bool:
         """Keep ``keys``, and the chunks they extend, from eviction for ``seconds`` (the
         loads promised to vLLM). False if the lease could not be written: the load may then

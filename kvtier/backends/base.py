@@ -103,8 +103,10 @@ class Backend:
             ok = [(it, loc) for it, loc, err in zip(items, locations, errors, strict=True) if err is None]
             failed = [(it, err) for it, err in zip(items, errors, strict=True) if err is not None]
             now = time.time_ns()
-            new = [EntryInfo(it.key, it.size, now, it.namespace_id, self.payloads.occupied(it.size), loc,
-                             0, it.group or it.key, it.parent or NO_KEY, it.token_start, it.num_tokens)
+            new = [EntryInfo(it.key, it.size, now, it.namespace_id, occupied=self.payloads.occupied(it.size),
+                             location=loc, group=it.group or it.key, parent=it.parent or NO_KEY,
+                             token_start=it.token_start, num_tokens=it.num_tokens,
+                             head=it.head or (it.key if it.parent is None else NO_KEY))
                    for it, loc in ok]
             try:
                 done = self.index.publish(new, self.budget(), EVICT_LOW_WATERMARK)
@@ -181,6 +183,11 @@ class Backend:
     def count_present_prefix(self, keys: Iterable[bytes]) -> int:
         """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
         return self.index.present_prefix(keys)
+
+    def count_present_chain(self, head: bytes, spans: Iterable[tuple[int, bytes]]) -> int:
+        """:meth:`count_present_prefix` for chunks of one chain, ``(token_start, key)``, whose
+        first chunk's key is ``head``: the fast path for a prompt's lookup."""
+        return self.index.present_chain(head, spans)
 
     def entries(self) -> Iterator[EntryInfo]:
         """Every stored record's metadata, from one consistent snapshot."""

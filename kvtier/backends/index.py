@@ -8,7 +8,9 @@ a process never promises a chunk another process has evicted.
 Databases (all in ``<store>/index``):
 
 - ``entries``: key -> :data:`_ENTRY` (record size, bytes occupied on disk, last use, lease,
-  payload location, namespace, rank group, chain parent, token span);
+  payload location, namespace, rank group, chain parent and head, token span);
+- ``chains``: chain head + token start + key -> empty: a prompt's chunks side by side, for
+  lookups (see :func:`chain_key`);
 - ``lru``: big-endian last use + key -> empty: eviction order without a scan;
 - ``children``: parent key -> keys of the chunks that extend it (duplicates allowed);
 - ``groups``: rank-0 key -> the other tensor-parallel ranks' keys of the same chunk;
@@ -42,8 +44,9 @@ import lmdb
 
 from kvtier.backends.lmdb_env import EnvHandle
 
-# size, occupied, atime_ns, lease_until_ns, location, namespace, group, parent, start, tokens
-_ENTRY = struct.Struct("<QQQQQ16s32s32sII")
+# size, occupied, atime_ns, lease_until_ns, location, namespace, group, parent, head, start, tokens
+_ENTRY = struct.Struct("<QQQQQ16s32s32s32sII")
+_BE32 = struct.Struct(">I")
 _TOTALS = struct.Struct("<QQQ")  # records, record bytes, occupied bytes
 _BE64 = struct.Struct(">Q")
 _TOTALS_KEY = b"totals"
@@ -52,8 +55,8 @@ NO_KEY = b"\0" * 32
 # Scan the LRU order this many entries at a time while evicting.
 _EVICT_SCAN = 256
 INDEX_DIR = "index"
-_DBS = ((b"entries", False), (b"lru", False), (b"children", True), (b"groups", True),
-        (b"info", False), (b"namespaces", False))
+_DBS = ((b"entries", False), (b"chains", False), (b"lru", False), (b"children", True),
+        (b"groups", True), (b"info", False), (b"namespaces", False))
 # Address space for the index map (it holds ~0.4 KiB per chunk; the file grows with use).
 _INDEX_MAP = 64 << 30
 
@@ -73,20 +76,32 @@ class EntryInfo:
     parent: bytes = NO_KEY  # the key of the chunk this one extends (NO_KEY for a chain head)
     token_start: int = 0
     num_tokens: int = 0
+    head: bytes = NO_KEY  # the key of its chain's first chunk (its own key for a head)
 
     def pack(self) -> bytes:
         return _ENTRY.pack(self.size, self.occupied, self.atime_ns, self.lease_until_ns, self.location,
                            self.namespace_id.ljust(16, b"\0")[:16], self.group, self.parent,
-                           self.token_start, self.num_tokens)
+                           self.head, self.token_start, self.num_tokens)
 
     @classmethod
     def unpack(cls, key: bytes, raw: bytes | memoryview) -> EntryInfo:
-        size, occ, atime, lease, loc, ns, group, parent, start, n = _ENTRY.unpack(raw)
-        return cls(key, size, atime, ns, occ, loc, lease, group, parent, start, n)
+        size, occ, atime, lease, loc, ns, group, parent, head, start, n = _ENTRY.unpack(raw)
+        return cls(key, size, atime, ns, occ, loc, lease, group, parent, start, n, head)
 
     @property
     def lru_key(self) -> bytes:
         return _BE64.pack(self.atime_ns) + self.key
+
+    @property
+    def chain_key(self) -> bytes:
+        return chain_key(self.head if self.head != NO_KEY else self.key, self.token_start, self.key)
+
+
+def chain_key(head: bytes, token_start: int, key: bytes) -> bytes:
+    """Where a chunk sits in the ``chains`` database: its chain's head, its position, and
+    its key. A prompt's chunks are neighbours there, so a lookup of a whole prompt reads a
+    few pages, not one page per chunk (what makes a lookup fast on a cold index)."""
+    return head[:12] + _BE32.pack(token_start & 0xFFFFFFFF) + key[:16]
 
 
 @dataclass
@@ -134,6 +149,10 @@ class StoreIndex:
         return self.env.dbs[b"entries"]
 
     @property
+    def _chains(self) -> object:
+        return self.env.dbs[b"chains"]
+
+    @property
     def _lru(self) -> object:
         return self.env.dbs[b"lru"]
 
@@ -172,6 +191,19 @@ class StoreIndex:
             cur = txn.cursor(db=self._entries)
             for k in keys:
                 if not cur.set_key(k):
+                    break
+                n += 1
+        return n
+
+    def present_chain(self, head: bytes, spans: Iterable[tuple[int, bytes]]) -> int:
+        """How many of a chain's chunks, ``(token_start, key)`` from the first, are stored;
+        ``head`` is the key of the chain's first chunk. Same answer as
+        :meth:`present_prefix`, reading the chunks where they lie side by side."""
+        n = 0
+        with self.env.txn() as txn:
+            cur = txn.cursor(db=self._chains)
+            for start, k in spans:
+                if not cur.set_key(chain_key(head, start, k)):
                     break
                 n += 1
         return n
@@ -234,6 +266,10 @@ class StoreIndex:
         with self._write() as txn:
             tot = self._totals(txn)
             for e in new:
+                if e.head == NO_KEY:  # not given: the parent's head, or a chain of its own
+                    up = self._get(txn, e.parent) if e.parent != NO_KEY else None
+                    e = replace(e, head=up.head if up is not None and up.head != NO_KEY else
+                                (up.key if up is not None else e.key))
                 old = self._get(txn, e.key)
                 if old is not None:
                     self._drop(txn, old, tot)
@@ -298,6 +334,7 @@ class StoreIndex:
 
     def _add(self, txn: lmdb.Transaction, e: EntryInfo, tot: Totals) -> None:
         txn.put(e.key, e.pack(), db=self._entries)
+        txn.put(e.chain_key, b"", db=self._chains)
         txn.put(e.lru_key, b"", db=self._lru)
         if e.parent != NO_KEY:
             txn.put(e.parent, e.key, db=self._children)
@@ -307,6 +344,7 @@ class StoreIndex:
 
     def _drop(self, txn: lmdb.Transaction, e: EntryInfo, tot: Totals) -> None:
         txn.delete(e.key, db=self._entries)
+        txn.delete(e.chain_key, db=self._chains)
         txn.delete(e.lru_key, db=self._lru)
         if e.parent != NO_KEY:
             txn.delete(e.parent, e.key, db=self._children)

@@ -32,6 +32,7 @@ class PutItem:
     parent: bytes | None = None  # the key of the chunk this one extends (None: a chain head)
     token_start: int = 0
     num_tokens: int = 0
+    head: bytes | None = None  # the key of its chain's first chunk (None: found from the parent)
 
     @property
     def size(self) -> int:

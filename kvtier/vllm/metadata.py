@@ -37,6 +37,8 @@ class SaveSpec:
     # per rank: the key of the chunk this one extends (empty for a chain's first chunk);
     # eviction keeps chains whole with it
     parent_keys: tuple[bytes, ...] = ()
+    # per rank: the key of the chain's first chunk (lookups read a chain's chunks together)
+    head_keys: tuple[bytes, ...] = ()
 
 
 @dataclass

@@ -50,6 +50,12 @@ class _Request:
         return self.to_save[: self.n_full]
 
 
+def _head(st: _Request, chunk: RankedChunk) -> tuple[bytes, ...]:
+    """The keys (per rank) of the first chunk of ``chunk``'s chain: the prompt's first chunk,
+    or the chunk itself if it starts the prompt (a partial first chunk)."""
+    return chunk.keys if chunk.start == 0 else st.to_save[0].keys
+
+
 class SchedulerSide:
     def __init__(self, store: StoreView, namespaces: list[Namespace], block_size: int,
                  loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool,
@@ -89,17 +95,22 @@ class SchedulerSide:
         self._reqs[request.request_id] = st
         return st
 
-    def _present(self, chunks: list[RankedChunk]) -> int:
+    def _present(self, st: _Request, chunks: list[RankedChunk]) -> int:
+        """How many leading ``chunks`` every rank has stored."""
         n = len(chunks)
+        if n == 0:
+            return 0
         for rank in range(len(self.namespaces)):
             if n == 0:
                 break
-            n = self.store.count_present_prefix([c.keys[rank] for c in chunks[:n]])
+            head = _head(st, chunks[0])[rank]
+            n = self.store.count_present_chain(head, [(c.start, c.keys[rank]) for c in chunks[:n]])
         return n
 
     def _match(self, st: _Request) -> list[RankedChunk]:
         return match_prefix(st.tokens, st.seeds, st.full, self.chunk_tokens,
-                            self.block_size if self.save_partial else None, self._present)
+                            self.block_size if self.save_partial else None,
+                            lambda chunks: self._present(st, chunks))
 
     # -- vLLM calls --------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -185,7 +196,7 @@ class SchedulerSide:
                 continue  # blocks not known (should not happen): skip rather than save garbage
             parent = st.to_save[st.next_save - 2].keys if st.next_save >= 2 else ()
             meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
-                                       st.block_ids[c.start // bs : c.end // bs], parent))
+                                       st.block_ids[c.start // bs : c.end // bs], parent, _head(st, c)))
 
     def request_finished(self, request: Any) -> bool:
         """Forget the request. Never holds its blocks: the worker's copies of a step's saves

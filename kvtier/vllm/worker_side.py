@@ -106,7 +106,8 @@ class WorkerSide:
             parents = s.spec.parent_keys
             ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self._save_namespace,
                                 token_start=s.spec.token_start, num_tokens=s.spec.num_tokens,
-                                group=s.spec.keys[0], parent=parents[self.rank] if parents else None)
+                                group=s.spec.keys[0], parent=parents[self.rank] if parents else None,
+                                head=s.spec.head_keys[self.rank] if s.spec.head_keys else None)
             self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
                        save_dropped_chunks=0 if ok else 1)
 

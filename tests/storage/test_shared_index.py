@@ -315,3 +315,33 @@ def test_store_marker_of_the_previous_layout_is_refused_with_advice(tmp_path: Pa
     with pytest.raises(StoreFormatError, match="before the shared index.*delete the directory"):
         ChunkStore(config(store, backend))
     assert os.path.exists(store / MARKER)
+
+
+def test_a_prompt_is_looked_up_in_chain_order(tmp_path: Path, backend: str) -> None:
+    """The scheduler's lookup path (a prompt's chunks read where the index keeps them side by
+    side) answers as key-by-key lookups do, after eviction too, and for a chunk saved with
+    its parent but without its chain's head."""
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        refs = cache.chunks(TOKS)
+        spans = [(r.start, r.key) for r in refs]
+        keys = [r.key for r in refs]
+        view = StoreView(config(store, backend))
+        try:
+            assert view.count_present_chain(keys[0], spans) == 6
+            # another head, or other positions, name other places: nothing there
+            assert view.count_present_chain(keys[1], spans) == 0
+            assert view.count_present_chain(keys[0], [(s + CHUNK, k) for s, k in spans]) == 0
+            b = cache.store.backend
+            b.evict_lru(b.occupied() // 2)
+            assert view.count_present_chain(keys[0], spans) == 3 == b.count_present_prefix(keys)
+            kv = make_kv(TOKS[3 * CHUNK:4 * CHUNK], start=3 * CHUNK)
+            assert cache.store.put(keys[3], kv, namespace_id=cache.namespace.id, token_start=3 * CHUNK,
+                                   num_tokens=CHUNK, parent=keys[2])
+            assert cache.flush(30)
+            assert b.lookup(keys[3]).head == keys[0]
+            assert view.count_present_chain(keys[0], spans) == 4 == b.count_present_prefix(keys)
+        finally:
+            view.close()
