@@ -169,8 +169,12 @@ def budget_run(work: Path, budget: int, batch: int, prompts: int) -> dict[str, A
                     index = None
             if index is not None:
                 published[0] = max(published[0], index.totals().occupied)
-            files = sum(f.stat().st_size for f in (store / "files").rglob("*.kvt")) \
-                if (store / "files").exists() else 0
+            files = 0
+            for f in (store / "files").rglob("*.kvt"):
+                try:
+                    files += f.stat().st_size
+                except FileNotFoundError:  # evicted meanwhile
+                    continue
             on_disk[0] = max(on_disk[0], files)
             time.sleep(0.005)
         if index is not None:

@@ -19,15 +19,16 @@ from kvtier.keys import Namespace, RequestExtras
 
 if TYPE_CHECKING:
     from kvtier.cache import KVCache
-    from kvtier.store import ChunkStore
+    from kvtier.store import ChunkStore, Loaded, Outcome
 
 __all__ = [
-    "CacheConfig", "ChunkStore", "ConfigError", "KVCache", "KVTierError", "Namespace",
-    "RecordError", "RequestExtras", "StoreError", "StoreFormatError",
+    "CacheConfig", "ChunkStore", "ConfigError", "KVCache", "KVTierError", "Loaded", "Namespace",
+    "Outcome", "RecordError", "RequestExtras", "StoreError", "StoreFormatError",
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"KVCache": "kvtier.cache", "ChunkStore": "kvtier.store"}
+_LAZY = {"KVCache": "kvtier.cache", "ChunkStore": "kvtier.store", "Loaded": "kvtier.store",
+         "Outcome": "kvtier.store"}
 
 
 def __getattr__(name: str) -> Any:

@@ -111,9 +111,11 @@ class KVCache:
             ref_parent, parent = parent, ref.key
             if self.store.count_present_prefix([ref.key]):
                 continue
-            chunk = kv.narrow(TOKEN_AXIS, ref.start, ref.num_tokens).contiguous()
-            if chunk.data_ptr() == kv.data_ptr() and chunk.numel() == kv.numel():
-                chunk = chunk.clone()  # the store owns what it is given; never alias the caller's tensor
+            part = kv.narrow(TOKEN_AXIS, ref.start, ref.num_tokens)
+            chunk = self.store.buffer(tuple(part.shape), part.dtype)  # pooled: no allocation per chunk
+            if chunk is None:
+                continue  # every buffer is queued for writing: dropped (and counted), like a full queue
+            chunk.copy_(part)  # the store owns what it is given; never the caller's tensor
             if self.store.put(ref.key, chunk, namespace_id=self.namespace.id, token_start=ref.start,
                               num_tokens=ref.num_tokens, parent=ref_parent, head=head):
                 queued += ref.num_tokens

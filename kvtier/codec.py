@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -218,9 +219,11 @@ def decode(
     *,
     expect_key: bytes | None = None,
     out: torch.Tensor | None = None,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     max_record_bytes: int = 1 << 30,
 ) -> tuple[RecordHeader, torch.Tensor]:
-    """Validate a whole record and return its tensor (written into ``out`` when given).
+    """Validate a whole record and return its tensor (written into ``out`` when given, else
+    into ``alloc(shape, dtype)``, else into a new tensor).
 
     ``expect_key`` guards against a record filed under the wrong key (a misplaced file).
     """
@@ -242,7 +245,7 @@ def decode(
     import torch
 
     if out is None:
-        out = torch.empty(header.shape, dtype=header.dtype)
+        out = alloc(header.shape, header.dtype) if alloc else torch.empty(header.shape, dtype=header.dtype)
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
     # numpy copy: the source may be a read-only view (an LMDB map), which torch cannot wrap.

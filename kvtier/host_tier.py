@@ -1,8 +1,8 @@
 """The host-memory tier: decoded chunks in RAM under a byte budget, least recently used out.
 
 Chunks are kept as tensors in the canonical layout, so a host hit is one copy into the
-destination. Buffers are pinned when CUDA is present (fast, async device copies); on the
-CPU backend they are ordinary memory and the same code runs.
+destination. The tensors are usually slots of the store's ``BufferPool`` (pinned when CUDA is
+present, for fast device copies; ordinary memory on the CPU backend, same code).
 """
 
 from __future__ import annotations
@@ -11,14 +11,6 @@ import threading
 from collections import OrderedDict
 
 import torch
-
-
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Allocate a host buffer: pinned where an accelerator can use it, plain otherwise.
-
-    (``pin_memory=True`` raises without an accelerator.)
-    """
-    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
 class HostTier:
@@ -67,6 +59,16 @@ class HostTier:
             self._items[key] = tensor
             self._bytes += size
         return evicted
+
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used chunk (its pooled buffer returns to the pool once no
+        one else holds it); False if the tier is empty."""
+        with self._lock:
+            if not self._items:
+                return False
+            _, victim = self._items.popitem(last=False)
+            self._bytes -= victim.numel() * victim.element_size()
+        return True
 
     def discard(self, key: bytes) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ import torch
 from kvtier import codec, forksafe
 from kvtier.backends import PutItem, open_shared
 from kvtier.backends.base import EntryInfo, most_recent
+from kvtier.buffer_pool import BufferPool
 from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
 from kvtier.host_tier import HostTier
@@ -107,6 +108,8 @@ class ChunkStore:
         self._warn = _RateLimitedLog()
         self._lock, self.backend = open_shared(config, readonly=readonly)
         self.host = HostTier(config.host_bytes)
+        # Saves and host-tier loads use pooled buffers: what the queue and the host tier hold.
+        self.pool = BufferPool(int(config.host_bytes) + int(config.write_queue_bytes))
         self._pending: dict[bytes, _Pending] = {}
         self._queue: list[_Pending] = []
         self._queued_bytes = 0
@@ -132,12 +135,24 @@ class ChunkStore:
         self._queued_bytes = self._inflight = 0
         self.counters._lock = threading.Lock()
         self.host._lock = threading.Lock()
+        self.pool.after_fork_in_child()
         self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         if not self.readonly:
             self._writer.start()
 
     # -- saves ---------------------------------------------------------------------
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A pooled host buffer to fill with a chunk and hand to :meth:`put` (no allocation
+        per chunk). None when every buffer is in use by the write queue or a load even after
+        the host tier gave back what it could: the save is then dropped (and counted here)."""
+        t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest)
+        if t is None:
+            self.counters.add(dropped_saves=1)
+            self._warn.warning("pool", "kvtier: no free chunk buffer (the write queue holds them "
+                               "all); dropping saves")
+        return t
+
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
             num_tokens: int, group: bytes | None = None, parent: bytes | None = None,
             head: bytes | None = None) -> bool:
@@ -292,7 +307,7 @@ class ChunkStore:
 
     def _load_from_backend(self, key: bytes, out: torch.Tensor | None) -> Loaded:
         def decode(view: memoryview) -> torch.Tensor:
-            return codec.decode(view, expect_key=key, out=out,
+            return codec.decode(view, expect_key=key, out=out, alloc=self._load_buffer,
                                 max_record_bytes=self.config.max_record_bytes)[1]
 
         entry: EntryInfo | None = None
@@ -317,6 +332,11 @@ class ChunkStore:
         if out is None:
             self.counters.add(evicted_host=self.host.put(key, t))
         return Loaded(Outcome.HIT, t)
+
+    def _load_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Where a chunk loaded for the host tier is decoded: a pooled buffer if one is free."""
+        t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest)
+        return t if t is not None else torch.empty(shape, dtype=dtype)
 
     _FAILURES = {
         Outcome.INCOMPATIBLE: ("incompatible_records", "kvtier: skipping record %s: %s"),

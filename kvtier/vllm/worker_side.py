@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.host_tier import host_empty
 from kvtier.keys import Namespace
 from kvtier.store import ChunkStore
 from kvtier.vllm.device import CopyStream
@@ -32,7 +31,8 @@ LOAD_POLL_S = 0.002
 @dataclass
 class _Staged:
     spec: SaveSpec
-    buf: torch.Tensor | None  # None: already stored, nothing to copy
+    buf: torch.Tensor | None  # None: nothing to copy (already stored, or no buffer free)
+    dropped: bool = False  # no buffer was free: the save is dropped (counted by the store)
 
 
 @dataclass
@@ -91,7 +91,8 @@ class WorkerSide:
                 staged.append(_Staged(spec, None))
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
-            staged.append(_Staged(spec, host_empty(shape, self.dtype)))
+            buf = self.store.buffer(shape, self.dtype)
+            staged.append(_Staged(spec, buf, dropped=buf is None))
         return staged
 
     def finish_saves(self) -> None:
@@ -101,7 +102,7 @@ class WorkerSide:
         self.copies.synchronize()
         for s in staged:
             if s.buf is None:
-                self._bump(save_skipped_chunks=1)
+                self._bump(**{"save_dropped_chunks" if s.dropped else "save_skipped_chunks": 1})
                 continue
             parents = s.spec.parent_keys
             ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self._save_namespace,

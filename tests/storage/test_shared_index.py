@@ -133,6 +133,17 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
         assert b.count_present_prefix(short) == 0 and b.count_present_prefix(keys) == 6
 
 
+def _record_file_bytes(store: Path) -> int:
+    """Bytes of the record files on disk now (files come and go meanwhile)."""
+    total = 0
+    for f in (store / "files").rglob("*.kvt"):
+        try:
+            total += f.stat().st_size
+        except FileNotFoundError:
+            continue
+    return total
+
+
 def test_writers_in_several_processes_share_one_budget(zygote: Zygote, tmp_path: Path, backend: str) -> None:
     """Four writer processes (two servers with two tensor-parallel ranks each) under one
     budget: the bytes the index publishes stay within it, the files on disk within it plus
@@ -177,8 +188,7 @@ def test_writers_in_several_processes_share_one_budget(zygote: Zygote, tmp_path:
     def sample() -> None:
         with ChunkStore(config(store, backend, **tight), readonly=True) as s:
             while not stop.is_set():
-                on_disk = sum(f.stat().st_size for f in (store / "files").rglob("*.kvt")) \
-                    if backend == "files" else 0
+                on_disk = _record_file_bytes(store) if backend == "files" else 0
                 samples.append((s.backend.occupied(), on_disk))
                 check({e.key for e in s.backend.entries()})
                 time.sleep(0.005)

@@ -1,0 +1,90 @@
+"""The chunk buffer pool: saves and host-tier loads reuse pre-touched buffers (no allocation
+per chunk in steady state), a buffer is never handed out while anything still uses it, and
+an exhausted pool drops a save instead of allocating."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+from kvhelpers import CHUNK, make_kv, open_cache, same_bits, tokens
+
+from kvtier.buffer_pool import BufferPool
+
+SHAPE = (2, 2, CHUNK, 4, 32)
+CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # bf16
+
+
+def test_a_slot_returns_only_when_nothing_uses_it() -> None:
+    pool = BufferPool(2 * CHUNK_BYTES, pin=False)
+    a = pool.acquire(SHAPE, torch.bfloat16)
+    b = pool.acquire(SHAPE, torch.bfloat16)
+    assert a is not None and b is not None and pool.created == 2
+    assert pool.acquire(SHAPE, torch.bfloat16) is None  # full: never allocates past the cap
+    a.fill_(1)
+    layer = a[1]  # a view keeps the memory in use after the tensor itself is gone
+    raw = b.view(torch.uint8).numpy()  # so does a numpy view
+    del a, b
+    gc.collect()
+    assert pool.acquire(SHAPE, torch.bfloat16) is None
+    assert bool((layer == 1).all())
+    del layer
+    c = pool.acquire(SHAPE, torch.bfloat16)
+    assert c is not None and pool.created == 2  # reused, not allocated
+    del raw
+    d = pool.acquire(SHAPE, torch.bfloat16)
+    assert d is not None and pool.created == 2
+    # a partial chunk fits a full-size slot; a bigger chunk makes bigger slots from then on
+    del c
+    small = pool.acquire((2, 2, 8, 4, 32), torch.bfloat16)
+    assert small is not None and small.shape == (2, 2, 8, 4, 32)
+    del small, d
+    assert pool.acquire((2, 2, 2 * CHUNK, 4, 32), torch.bfloat16) is not None
+    assert pool.slot_bytes == 2 * CHUNK_BYTES
+
+
+def test_the_host_tier_gives_buffers_back_when_the_pool_is_full() -> None:
+    pool = BufferPool(2 * CHUNK_BYTES, pin=False)
+    held = [pool.acquire(SHAPE, torch.bfloat16), pool.acquire(SHAPE, torch.bfloat16)]
+
+    def reclaim() -> bool:
+        if not held:
+            return False
+        held.pop(0)
+        return True
+
+    assert pool.acquire(SHAPE, torch.bfloat16, reclaim=reclaim) is not None
+    assert len(held) == 1 and pool.created == 2
+
+
+def test_saves_and_loads_reuse_buffers_in_steady_state(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    with open_cache(store, "files", host_bytes=4 * CHUNK_BYTES, write_queue_bytes=4 * CHUNK_BYTES) as cache:
+        for seed in range(20):  # 20 x 2 chunks through an 8-chunk pool
+            toks = tokens(seed, 2 * CHUNK)
+            cache.save(toks, make_kv(toks))
+            assert cache.flush(30)
+        assert cache.store.pool.created <= 8
+        assert cache.stats()["dropped_saves"] == 0
+    with open_cache(store, "files", host_bytes=4 * CHUNK_BYTES, write_queue_bytes=4 * CHUNK_BYTES) as cache:
+        for seed in range(20):
+            toks = tokens(seed, 2 * CHUNK)
+            for c in cache.chunks(toks):
+                assert same_bits(cache.store.get(c.key), make_kv(toks[c.start:c.end], start=c.start))
+        assert cache.store.pool.created <= 8  # host-tier loads came from the pool too
+        assert cache.stats()["hits_disk"] == 40
+
+
+def test_a_save_is_dropped_when_every_buffer_is_queued(tmp_path: Path) -> None:
+    with open_cache(tmp_path / "s", "lmdb", host_bytes=0, write_queue_bytes=2 * CHUNK_BYTES) as cache:
+        cache.store.backend._write_lock.acquire()  # the disk "hangs": queued buffers stay in use
+        try:
+            for seed in range(4):
+                toks = tokens(seed, CHUNK)
+                cache.save(toks, make_kv(toks))
+            assert cache.store.pool.created <= 2
+            assert cache.stats()["dropped_saves"] >= 1
+        finally:
+            cache.store.backend._write_lock.release()
+        assert cache.flush(30)
