@@ -199,11 +199,20 @@ class StoreIndex:
         """How many of a chain's chunks, ``(token_start, key)`` from the first, are stored;
         ``head`` is the key of the chain's first chunk. Same answer as
         :meth:`present_prefix`, reading the chunks where they lie side by side."""
+        spans = list(spans)
         n = 0
         with self.env.txn() as txn:
             cur = txn.cursor(db=self._chains)
             for start, k in spans:
                 if not cur.set_key(chain_key(head, start, k)):
+                    break
+                n += 1
+            # A chunk stored without its chain's head (e.g. saved with neither parent nor
+            # head) is not where the chain path looks: continue by key from there. For a
+            # real miss that is one extra probe.
+            by_key = txn.cursor(db=self._entries)
+            for _, k in spans[n:]:
+                if not by_key.set_key(k):
                     break
                 n += 1
         return n
