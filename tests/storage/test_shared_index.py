@@ -16,7 +16,7 @@ from kvhelpers import CHUNK, Zygote, config, make_kv, open_cache, same_bits, tok
 
 from kvtier import ChunkStore, codec
 from kvtier.backends import PutItem
-from kvtier.backends.index import NO_KEY
+from kvtier.backends.index import NO_KEY, chain_key
 from kvtier.store import Outcome
 from kvtier.store_view import StoreView
 
@@ -341,10 +341,12 @@ def test_a_prompt_is_looked_up_in_chain_order(tmp_path: Path, backend: str) -> N
         view = StoreView(config(store, backend))
         try:
             assert view.count_present_chain(keys[0], spans) == 6
-            # another head, or other positions, name other places: nothing there
-            assert view.count_present_chain(keys[1], spans) == 0
-            assert view.count_present_chain(keys[0], [(s + CHUNK, k) for s, k in spans]) == 0
             b = cache.store.backend
+            # the chunks sit side by side in the chain order, under their head
+            index = b.index
+            with index.env.txn() as txn:
+                placed = [bytes(k) for k in txn.cursor(db=index._chains).iternext(values=False)]
+            assert placed == sorted(chain_key(keys[0], s, k) for s, k in spans)
             b.evict_lru(b.occupied() // 2)
             assert view.count_present_chain(keys[0], spans) == 3 == b.count_present_prefix(keys)
             kv = make_kv(TOKS[3 * CHUNK:4 * CHUNK], start=3 * CHUNK)
@@ -353,5 +355,12 @@ def test_a_prompt_is_looked_up_in_chain_order(tmp_path: Path, backend: str) -> N
             assert cache.flush(30)
             assert b.lookup(keys[3]).head == keys[0]
             assert view.count_present_chain(keys[0], spans) == 4 == b.count_present_prefix(keys)
+            # saved with neither parent nor head: not in its chain's place, found by key
+            kv = make_kv(TOKS[4 * CHUNK:5 * CHUNK], start=4 * CHUNK)
+            assert cache.store.put(keys[4], kv, namespace_id=cache.namespace.id, token_start=4 * CHUNK,
+                                   num_tokens=CHUNK)
+            assert cache.flush(30)
+            assert b.lookup(keys[4]).head == keys[4]
+            assert view.count_present_chain(keys[0], spans) == 5 == b.count_present_prefix(keys)
         finally:
             view.close()
