@@ -31,7 +31,6 @@ from kvtier.backends.index import (
 )
 from kvtier.backends.lmdb_env import EnvHandle
 from kvtier.backends.payloads import PayloadStore, PutItem
-from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
 
 T = TypeVar("T")
@@ -84,10 +83,6 @@ class Backend:
         self.payloads = payloads
         self._write_lock = threading.Lock()
         _LIVE_BACKENDS.add(self)
-
-    @property
-    def max_read_bytes(self) -> int:
-        return int(self.config.max_record_bytes) + MAX_HEADER_BYTES
 
     # -- writes ----------------------------------------------------------------------------
     def put_many(self, items: list[PutItem]) -> PutResult:
