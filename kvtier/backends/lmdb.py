@@ -39,7 +39,8 @@ class LmdbPayloads(PayloadStore):
         self.max_record_bytes = max_record_bytes
         # Address space, not disk: room for the budget, a commit batch and free pages.
         self.env = EnvHandle(root / DATA_DIR, readonly=readonly, sync=durability == "power",
-                             map_size=max(4 * disk_bytes, 1 << 30), dbs=((b"records", False),))
+                             map_size=max(4 * disk_bytes, 1 << 30), dbs=((b"records", False),),
+                             readahead=True)  # records are large, read front to back
         self._staging = bytearray(0)  # only the writer thread uses it (one commit at a time)
 
     @property

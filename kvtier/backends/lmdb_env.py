@@ -110,12 +110,13 @@ forksafe.register(forksafe.LMDB, before=GATE.before_fork, after_in_parent=GATE.a
                   after_in_child=_after_fork_in_child)
 
 
-def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, max_dbs: int = 8
-                ) -> lmdb.Environment:
+def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, readahead: bool,
+                max_dbs: int = 8) -> lmdb.Environment:
     """This process's environment at ``path`` (opened on first use, reference counted).
 
-    ``readahead`` is off: an index is read a few pages at a time, and readahead would make
-    the first lookups after a restart read hundreds of MiB of the map.
+    ``readahead``: off for an index, which is read a few pages at a time (with it, the first
+    lookups after a restart read hundreds of MiB of the map); on for large values, which
+    page faults would otherwise read 4 KiB at a time.
     """
     key = (os.getpid(), str(path))
     with _ENVS_LOCK:
@@ -134,7 +135,7 @@ def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, max_db
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = lmdb.open(
             str(path), map_size=map_size, max_dbs=max_dbs, subdir=True, readonly=readonly,
-            sync=sync, metasync=sync, readahead=False, meminit=False, lock=True, mode=0o600,
+            sync=sync, metasync=sync, readahead=readahead, meminit=False, lock=True, mode=0o600,
         )
         _ENVS[key] = (env, 1)
         return env
@@ -165,10 +166,11 @@ class EnvHandle:
     reopening after ``fork``, and map growth done safely."""
 
     def __init__(self, path: Path, *, readonly: bool, sync: bool, map_size: int,
-                 dbs: tuple[tuple[bytes, bool], ...]) -> None:
+                 dbs: tuple[tuple[bytes, bool], ...], readahead: bool = False) -> None:
         self.path = path
         self.readonly = readonly
         self._sync = sync
+        self._readahead = readahead
         self._map_size = map_size
         self._db_specs = dbs  # (name, dupsort)
         self._reopen_lock = threading.Lock()
@@ -176,7 +178,8 @@ class EnvHandle:
         self._open()
 
     def _open(self) -> None:
-        env = acquire_env(self.path, readonly=self.readonly, sync=self._sync, map_size=self._map_size)
+        env = acquire_env(self.path, readonly=self.readonly, sync=self._sync, map_size=self._map_size,
+                          readahead=self._readahead)
         with GATE.held():
             if self.readonly:
                 dbs = {n: env.open_db(n, create=False, dupsort=d) for n, d in self._db_specs}
