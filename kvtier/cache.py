@@ -29,6 +29,7 @@ from kvtier.keys import (
     NO_EXTRAS,
     ChunkRef,
     Namespace,
+    RankedChunk,
     RequestExtras,
     as_token_array,
     chain_seed,
@@ -88,8 +89,14 @@ class KVCache:
         arr = as_token_array(tokens)
         seeds = (self._seed(extras),)
         full = ranked_chunk_keys(arr, seeds, self.namespace.chunk_tokens, None)
-        hits = match_prefix(arr, seeds, full, self.namespace.chunk_tokens, self.tail_granularity,
-                            lambda cs: self.store.count_present_prefix([c.keys[0] for c in cs]))
+
+        def present(cs: list[RankedChunk]) -> int:  # a prompt's chunks, read in chain order
+            if not cs:
+                return 0
+            head = cs[0].keys[0] if cs[0].start == 0 else full[0].keys[0]
+            return self.store.count_present_chain(head, [(c.start, c.keys[0]) for c in cs])
+
+        hits = match_prefix(arr, seeds, full, self.namespace.chunk_tokens, self.tail_granularity, present)
         return [ChunkRef(h.keys[0], h.start, h.end) for h in hits]
 
     # -- operations ----------------------------------------------------------------

@@ -121,7 +121,7 @@ class ChunkStore:
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         if not readonly:
             self._writer.start()
-            self._loads.submit(self._sweep_orphans)
+            self._register_writer()
         _LIVE_STORES.add(self)
 
     def _after_fork_in_child(self) -> None:
@@ -140,6 +140,7 @@ class ChunkStore:
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         if not self.readonly:
             self._writer.start()
+            self._register_writer()
 
     # -- saves ---------------------------------------------------------------------
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -256,8 +257,18 @@ class ChunkStore:
         self.counters.add(saves_committed=len(res.stored), bytes_saved=sum(i.size for i in res.stored),
                           evicted_disk=len(res.evicted), evicted_disk_bytes=res.evicted_bytes)
 
+    def _register_writer(self) -> None:
+        """Record this process as a writer; if one was killed since (it never unregistered),
+        sweep its orphan payloads in the background. A clean history costs no scan."""
+        try:
+            dead = self.backend.index.register_writer()
+        except Exception as exc:  # housekeeping: never fatal
+            self._warn.warning("sweep", "kvtier: registering as a writer failed: %s", exc)
+            return
+        if dead:
+            self._loads.submit(self._sweep_orphans)
+
     def _sweep_orphans(self) -> None:
-        """At start-up, in the background: remove payloads of writers killed mid-commit."""
         try:
             self.counters.add(orphans_removed=self.backend.sweep_orphans())
         except Exception as exc:  # housekeeping: never fatal
@@ -283,6 +294,21 @@ class ChunkStore:
         except Exception as exc:
             self.counters.add(io_errors=1)
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
+        return n
+
+    def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]]) -> int:
+        """:meth:`count_present_prefix` for a chain's chunks ``(token_start, key)`` whose first
+        chunk's key is ``head``: the index reads them side by side (fast also when cold)."""
+        if not spans:
+            return 0
+        try:
+            n = self.backend.count_present_chain(head, spans)
+        except Exception as exc:
+            self.counters.add(io_errors=1)
+            self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
+            return 0
+        if n < len(spans):  # queued and not yet stored counts too
+            n += self.count_present_prefix([k for _, k in spans[n:]])
         return n
 
     def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -455,6 +481,11 @@ class ChunkStore:
         for t in threads:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if not self.readonly and not self._writer.is_alive() and not self._inflight:
+            try:  # a clean close: nothing of ours is left unpublished
+                self.backend.index.unregister_writer()
+            except Exception as exc:
+                self._warn.warning("sweep", "kvtier: unregistering as a writer failed: %s", exc)
         if any(t.is_alive() for t in threads):
             with self._cv:  # given up on: counted as dropped (they land if the disk recovers)
                 self.counters.add(dropped_saves=self._inflight)

@@ -35,7 +35,7 @@ from typing import TypeVar
 import aiofiles
 import numpy as np
 
-from kvtier.backends.index import EntryInfo
+from kvtier.backends.index import EntryInfo, pid_alive
 from kvtier.backends.payloads import PayloadStore, PutItem, ThreadBuffer, oversized
 from kvtier.codec import MAX_HEADER_BYTES
 
@@ -116,7 +116,7 @@ class FilePayloads(PayloadStore):
         """Delete temp files of writers that no longer run (a killed writer's leftovers)."""
         for f in os.scandir(self._tmp):
             pid = f.name.split("-", 1)[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f.path)
 
@@ -331,16 +331,6 @@ def _read_full(fd: int, view: memoryview) -> int:
             break
         got += n
     return got
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink_quiet(path: str) -> None:

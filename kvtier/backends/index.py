@@ -32,9 +32,13 @@ under a lease (a load was promised).
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
+import socket
 import struct
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -42,6 +46,7 @@ from pathlib import Path
 
 import lmdb
 
+from kvtier import forksafe
 from kvtier.backends.lmdb_env import EnvHandle
 
 # size, occupied, atime_ns, lease_until_ns, location, namespace, group, parent, head, start, tokens
@@ -124,14 +129,60 @@ class Published:
     evicted: list[EntryInfo]
 
 
+_PID_MASK = (1 << 22) - 1
+_SEQ = itertools.count()
+
+
 def new_location() -> int:
-    """A fresh payload location: creation second (for the orphan sweep's grace period) in
-    the high 32 bits, random low bits, so two writers never share one."""
-    return (int(time.time()) & 0xFFFFFFFF) << 32 | int.from_bytes(os.urandom(4), "little")
+    """A fresh payload location: the creation second (high 32 bits), the writer's pid (22
+    bits) and a per-process counter (10 bits). Two processes never share one; the orphan
+    sweep reads the age and the writer from it."""
+    return ((int(time.time()) & 0xFFFFFFFF) << 32 | (os.getpid() & _PID_MASK) << 10
+            | (next(_SEQ) & 0x3FF))
 
 
 def location_age_s(location: int) -> float:
     return time.time() - (location >> 32)
+
+
+def location_writer_gone(location: int) -> bool:
+    """Whether the process that wrote this payload is gone (on this host). Unknown (False)
+    where pids can exceed what a location holds."""
+    if _pid_max() > _PID_MASK + 1:
+        return False
+    return not pid_alive((location >> 10) & _PID_MASK)
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 1 << 32
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_WRITER = b"writer:"
+# How many open stores of this process write each index (one registration per process).
+_REGISTERED: dict[str, int] = {}
+_REGISTERED_LOCK = threading.Lock()
+
+
+def _forget_registrations_in_child() -> None:
+    global _REGISTERED_LOCK
+    _REGISTERED_LOCK = threading.Lock()
+    _REGISTERED.clear()  # the child is another process: it registers itself
+
+
+forksafe.register(forksafe.BACKEND, after_in_child=_forget_registrations_in_child)
 
 
 class StoreIndex:
@@ -432,6 +483,43 @@ class StoreIndex:
                         break
         return evicted
 
+    # -- writers --------------------------------------------------------------------------
+    def _writer_prefix(self) -> bytes:
+        return _WRITER + hashlib.sha256(socket.gethostname().encode()).digest()[:8]
+
+    def register_writer(self) -> list[int]:
+        """Record this process as a writer of the store; return the pids of writers on this
+        host that are gone without unregistering (killed: their unpublished payloads may be
+        left behind, which is when the orphan sweep has work)."""
+        prefix = self._writer_prefix()
+        dead: list[int] = []
+        with _REGISTERED_LOCK:
+            _REGISTERED[str(self.path)] = _REGISTERED.get(str(self.path), 0) + 1
+        with self._write() as txn:
+            cur = txn.cursor(db=self._info)
+            if cur.set_range(prefix):
+                for k in list(cur.iternext(values=False)):
+                    k = bytes(k)
+                    if not k.startswith(prefix):
+                        break
+                    pid = int.from_bytes(k[len(prefix):], "little")
+                    if pid != os.getpid() and not pid_alive(pid):
+                        dead.append(pid)
+                        txn.delete(k, db=self._info)
+            txn.put(prefix + os.getpid().to_bytes(4, "little"), _BE64.pack(time.time_ns()), db=self._info)
+        return dead
+
+    def unregister_writer(self) -> None:
+        """This process closed the store cleanly: it left nothing unpublished (the record
+        stays while another store of this process still writes the same index)."""
+        with _REGISTERED_LOCK:
+            left = _REGISTERED.get(str(self.path), 1) - 1
+            _REGISTERED[str(self.path)] = max(left, 0)
+        if left > 0:
+            return
+        with self._write() as txn:
+            txn.delete(self._writer_prefix() + os.getpid().to_bytes(4, "little"), db=self._info)
+
     # -- maintenance ----------------------------------------------------------------------
     def referenced(self, key: bytes, location: int) -> bool:
         """Whether the index names this payload (the orphan sweep's question)."""
@@ -441,8 +529,9 @@ class StoreIndex:
 
 def iter_unreferenced(index: StoreIndex, found: Iterable[tuple[bytes, int]], grace_s: float
                       ) -> Iterator[tuple[bytes, int]]:
-    """Payloads ``(key, location)`` no index entry names, older than ``grace_s`` (younger
-    ones may belong to a writer between its payload write and its index commit)."""
+    """Payloads ``(key, location)`` no index entry names, whose writer is gone or which are
+    older than ``grace_s`` (a live writer's younger payload may be between its write and
+    its index commit)."""
     for key, loc in found:
-        if location_age_s(loc) > grace_s and not index.referenced(key, loc):
+        if (location_age_s(loc) > grace_s or location_writer_gone(loc)) and not index.referenced(key, loc):
             yield key, loc

@@ -301,7 +301,27 @@ def ranked_writer(path: str, backend: str, server: int, rank: int, tp: int, prom
     return {"stats": st}
 
 
-FUNCTIONS = {"write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family,
+def killed_mid_commit(path: str, backend: str) -> dict[str, Any]:
+    """A writer that dies between writing a record's payload and its index commit: a child
+    opens the store (registering as a writer), writes one payload and exits without
+    publishing or closing, as a SIGKILL would leave it."""
+    from kvtier import ChunkStore, codec
+    from kvtier.backends import PutItem
+    from kvtier.backends.index import new_location
+
+    pid = os.fork()
+    if pid == 0:
+        store = ChunkStore(H.config(path, backend))
+        kv = H.make_kv(H.tokens(77, H.CHUNK))
+        key = bytes(range(32))
+        header, payload = codec.encode(kv, key=key, namespace_id=bytes(16), token_start=0, num_tokens=H.CHUNK)
+        store.backend.payloads.write_many([PutItem(key, header, payload, bytes(16))], [new_location()])
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return {"writer": pid}
+
+
+FUNCTIONS = {"killed_mid_commit": killed_mid_commit, "write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family,
              "evict_store": evict_store, "ranked_writer": ranked_writer}
 
 

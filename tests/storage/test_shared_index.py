@@ -279,6 +279,32 @@ def test_orphan_payloads_of_a_killed_writer_are_swept(tmp_path: Path, backend: s
         assert set(b.payloads.found()) == set()
 
 
+def test_a_killed_writer_is_swept_after_and_a_clean_history_costs_no_scan(
+        zygote: Zygote, tmp_path: Path, backend: str) -> None:
+    """Opening a store scans for orphans only when a writer of it was killed (it never
+    unregistered); then its unpublished payload goes at once, since its writer is gone."""
+    store = tmp_path / "s"
+    with open_cache(store, backend):
+        pass  # a clean open and close leaves no writer registered
+    rep = zygote.request("call", fn="killed_mid_commit", kwargs={"path": str(store), "backend": backend})
+    assert "error" not in rep, rep
+    with ChunkStore(config(store, backend, io_threads=1)) as s:
+        deadline = time.monotonic() + 10
+        while s.counters.snapshot()["orphans_removed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.counters.snapshot()["orphans_removed"] == 1
+        assert set(s.backend.payloads.found()) == set()
+        # an orphan of a gone writer that never registered: a clean history, so no sweep
+        item = _item(_key("left"), 3)
+        gone = (int(time.time()) << 32) | ((rep["writer"] & ((1 << 22) - 1)) << 10)
+        assert s.backend.payloads.write_many([item], [gone]) == [None]
+    with ChunkStore(config(store, backend)) as s:
+        time.sleep(0.2)
+        assert s.counters.snapshot()["orphans_removed"] == 0
+        assert set(s.backend.payloads.found()) == {(item.key, gone)}
+        assert s.backend.sweep_orphans() == 1  # its writer is gone: no grace period to wait
+
+
 def test_one_failed_record_does_not_drop_its_batch(tmp_path: Path) -> None:
     """Files: a record whose file cannot be written fails alone; its neighbours are stored."""
     store = tmp_path / "s"
