@@ -78,8 +78,8 @@ def read_marker(root: Path) -> dict[str, object]:
     if version < STORE_LAYOUT_VERSION:
         raise StoreFormatError(
             f"{root}: store layout version {version} was written by an older kvtier, before the "
-            f"shared index (this one uses layout {STORE_LAYOUT_VERSION}); its chunks cannot be "
-            "migrated safely: delete the directory (the cache refills itself) or point the "
+            f"shared index (this one uses layout {STORE_LAYOUT_VERSION}); kvtier does not migrate "
+            "its records: delete the directory (the cache refills itself) or point the "
             "cache at a new path"
         )
     if info.get("backend") not in ("lmdb", "files"):
