@@ -23,6 +23,11 @@ class StoreFormatError(StoreError):
     """The store was written by a kvtier whose on-disk format this version cannot read."""
 
 
+class StoreDamaged(StoreError):
+    """The store's own structures (its LMDB index or record environment) are damaged beyond
+    what a miss can cover. The cache is disposable: move the directory away or delete it."""
+
+
 class RecordError(KVTierError):
     """A stored record failed validation (bad magic, header, length, shape or checksum)."""
 

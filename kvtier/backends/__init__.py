@@ -15,11 +15,13 @@ import os
 import time
 from pathlib import Path
 
+import lmdb
+
 from kvtier.backends.base import Backend, EntryInfo, PutItem, PutResult
 from kvtier.backends.payloads import PayloadStore
 from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
-from kvtier.errors import StoreError, StoreFormatError
+from kvtier.errors import ConfigError, StoreDamaged, StoreError, StoreFormatError
 
 log = logging.getLogger("kvtier")
 MARKER = "kvtier-store.json"
@@ -132,7 +134,15 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
             f"{root}: store was created with backend {info['backend']!r}, config asks for "
             f"{config.backend!r}; set backend={info['backend']!r} or use another path"
         )
-    return _make_backend(root, config, readonly)
+    try:
+        return _make_backend(root, config, readonly)
+    except lmdb.Error as exc:
+        raise _damaged(root, exc) from None
+
+
+def _damaged(root: Path, exc: Exception) -> StoreDamaged:
+    return StoreDamaged(f"{root}: the store cannot be opened ({type(exc).__name__}: {exc}); its index "
+                        "is damaged: move the directory away or delete it (the cache refills itself)")
 
 
 def adopt_settings(backend: Backend, config: CacheConfig) -> None:
@@ -159,6 +169,13 @@ def stored_config(root: Path, backend: str, **overrides: object) -> CacheConfig:
             values = {k: v for k, v in index.settings().items() if k in STORED_SETTINGS}
         finally:
             index.close()
+    for name, value in list(values.items()):  # a value that does not validate is not used
+        try:
+            CacheConfig(path=root, backend=backend, **{name: value})  # type: ignore[arg-type]
+        except (ConfigError, TypeError):
+            log.warning("kvtier: %s: ignoring the store's recorded %s=%r (invalid); using the default",
+                        root, name, value)
+            del values[name]
     return CacheConfig(path=root, backend=backend, **{**values, **overrides})  # type: ignore[arg-type]
 
 
@@ -181,9 +198,11 @@ def open_shared(config: CacheConfig, *, readonly: bool = False) -> tuple[StoreLo
             lock = StoreLock(config.path)
         if not readonly:
             adopt_settings(backend, config)
-    except BaseException:
+    except BaseException as exc:
         backend.close()
         if lock is not None:
             lock.release()
+        if isinstance(exc, lmdb.Error):
+            raise _damaged(config.path, exc) from None
         raise
     return lock, backend

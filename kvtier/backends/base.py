@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -20,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+
+import lmdb
 
 from kvtier import forksafe
 from kvtier.backends.index import (
@@ -38,6 +41,9 @@ log = logging.getLogger("kvtier")
 
 # Evict down to this fraction of the disk budget, so eviction runs in batches, not per save.
 EVICT_LOW_WATERMARK = 0.9
+# Free space kept on the store's filesystem (beyond the batch being written): room for the
+# index's own commits, which a removal needs too.
+DISK_RESERVE = 1 << 20
 # A payload nobody names is an orphan only once it is older than this: a writer between its
 # payload write and its index commit must not lose the payload.
 ORPHAN_GRACE_S = 600.0
@@ -82,6 +88,7 @@ class Backend:
         self.index = StoreIndex(root, readonly=readonly, sync=config.durability == "power")
         self.payloads = payloads
         self._write_lock = threading.Lock()
+        self.evicted_for_space = 0  # records evicted because the filesystem was full
         _LIVE_BACKENDS.add(self)
 
     # -- writes ----------------------------------------------------------------------------
@@ -93,6 +100,7 @@ class Backend:
         if not items:
             return PutResult([], [], [])
         with self._write_lock:
+            room = self._make_room_on_disk(sum(self.payloads.occupied(it.size) for it in items))
             locations = [new_location() for _ in items]
             errors = self.payloads.write_many(items, locations)
             ok = [(it, loc) for it, loc, err in zip(items, locations, errors, strict=True) if err is None]
@@ -109,12 +117,30 @@ class Backend:
                 self.payloads.delete(new)  # never published: nobody can see them
                 raise OSError(f"index commit failed: {exc}") from exc
             self.payloads.delete(done.replaced + done.evicted)
-        return PutResult([it for it, _ in ok], failed, done.evicted)
+        return PutResult([it for it, _ in ok], failed, room + done.evicted)
+
+    def _make_room_on_disk(self, need: int) -> list[EntryInfo]:
+        """If the filesystem itself is about to run out (it can fill before the budget does,
+        shared with other data), evict first: a full disk would fail this batch, and LMDB
+        cannot even commit a removal without a few free pages."""
+        try:
+            free = shutil.disk_usage(self.root).free + sum(h.reusable_bytes() for h in self.lmdb_envs())
+        except (OSError, lmdb.Error):
+            return []
+        short = need + DISK_RESERVE - free
+        occupied = self.index.totals().occupied
+        if short <= 0 or short > occupied:
+            return []  # room enough, or the disk is full of other data: evicting would not help
+        gone = self.index.evict(occupied - short)
+        self.payloads.delete(gone)
+        self.evicted_for_space += len(gone)
+        return gone
 
     def budget(self) -> int:
         """The store's disk budget: the one the store records (every writer shares it)."""
         value = self.index.settings().get("disk_bytes")
-        return int(value) if isinstance(value, int) else int(self.config.disk_bytes)
+        valid = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return int(value) if valid else int(self.config.disk_bytes)  # type: ignore[arg-type]
 
     def touch(self, keys: Iterable[bytes], now_ns: int) -> None:
         """Record a use of ``keys`` for LRU eviction."""

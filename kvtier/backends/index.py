@@ -233,7 +233,9 @@ class StoreIndex:
 
     def _get(self, txn: lmdb.Transaction, key: bytes) -> EntryInfo | None:
         raw = txn.get(key, db=self._entries)
-        return None if raw is None else EntryInfo.unpack(key, raw)
+        if raw is None or len(raw) != _ENTRY.size:
+            return None  # absent, or a damaged entry: nothing can be loaded through it
+        return EntryInfo.unpack(key, raw)
 
     def present_prefix(self, keys: Iterable[bytes]) -> int:
         """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
@@ -271,7 +273,8 @@ class StoreIndex:
     def entries(self) -> list[EntryInfo]:
         """Every entry, from one consistent snapshot (drained: no transaction stays open)."""
         with self.env.txn() as txn:
-            return [EntryInfo.unpack(bytes(k), v) for k, v in txn.cursor(db=self._entries)]
+            return [EntryInfo.unpack(bytes(k), v) for k, v in txn.cursor(db=self._entries)
+                    if len(v) == _ENTRY.size]  # (a damaged entry names nothing loadable)
 
     def totals(self) -> Totals:
         with self.env.txn() as txn:
@@ -287,13 +290,14 @@ class StoreIndex:
             return self.env.page_bytes(txn)
 
     def settings(self) -> dict[str, object]:
+        """The settings writers recorded ({} if none, or if they cannot be read)."""
         with self.env.txn() as txn:
             raw = txn.get(_SETTINGS_KEY, db=self._info)
-        return json.loads(bytes(raw)) if raw else {}
+        return _json_object(raw)
 
     def namespaces(self) -> dict[bytes, dict[str, object]]:
         with self.env.txn() as txn:
-            return {bytes(k): json.loads(bytes(v)) for k, v in txn.cursor(db=self._ns)}
+            return {bytes(k): _json_object(v) for k, v in txn.cursor(db=self._ns)}
 
     # -- writes -------------------------------------------------------------------------
     def _write(self):  # noqa: ANN202 - a context manager of a write transaction
@@ -304,8 +308,7 @@ class StoreIndex:
     def set_settings(self, settings: dict[str, object]) -> dict[str, object]:
         """Merge ``settings`` into the store's; return what they were before."""
         with self._write() as txn:
-            raw = txn.get(_SETTINGS_KEY, db=self._info)
-            old = json.loads(bytes(raw)) if raw else {}
+            old = _json_object(txn.get(_SETTINGS_KEY, db=self._info))
             txn.put(_SETTINGS_KEY, json.dumps({**old, **settings}, sort_keys=True).encode(), db=self._info)
         return old
 
@@ -457,6 +460,9 @@ class StoreIndex:
                     break
                 e = self._get(txn, lk[8:])
                 if e is None or e.lru_key != lk:
+                    if e is None:  # names no usable entry (damaged): drop the order's row
+                        txn.delete(lk, db=self._lru)
+                        txn.delete(lk[8:], db=self._entries)
                     continue  # gone with an earlier victim's relatives, or restamped
                 group = self._related(txn, e.key)
                 if any(m.lease_until_ns > now for m in group):
@@ -525,6 +531,17 @@ class StoreIndex:
         """Whether the index names this payload (the orphan sweep's question)."""
         e = self.get(key)
         return e is not None and e.location == location
+
+
+def _json_object(raw: bytes | memoryview | None) -> dict[str, object]:
+    """A JSON object stored in the index; {} for anything else (absent or damaged)."""
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(bytes(raw))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def iter_unreferenced(index: StoreIndex, found: Iterable[tuple[bytes, int]], grace_s: float

@@ -252,6 +252,14 @@ class EnvHandle:
         self._open()
         return before - data.stat().st_size
 
+    def reusable_bytes(self) -> int:
+        """Bytes of free pages inside the data file: space a write can use without the
+        filesystem (LMDB reuses freed pages, but never gives them back to it)."""
+        env = self.env_now()
+        with self.txn() as txn:
+            used = self.page_bytes(txn)
+        return max(0, (env.info()["last_pgno"] + 1) * env.stat()["psize"] - used)
+
     def page_bytes(self, txn: lmdb.Transaction) -> int:
         """Bytes of the pages this environment's databases use (what its data occupies)."""
         st = txn.stat()

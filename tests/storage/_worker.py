@@ -321,7 +321,21 @@ def killed_mid_commit(path: str, backend: str) -> dict[str, Any]:
     return {"writer": pid}
 
 
-FUNCTIONS = {"killed_mid_commit": killed_mid_commit, "write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family,
+def probe_store(path: str, backend: str, sequences: list[int]) -> dict[str, Any]:
+    """Open a (possibly damaged) store and load every sequence: how many loads returned KV
+    that differs from what was saved (must be 0), and how many tokens were served."""
+    rep: dict[str, Any] = {"wrong": 0, "tokens": 0}
+    with H.open_cache(path, backend) as cache:
+        for i in sequences:
+            toks = H.seq_tokens(i)
+            got = cache.load(toks)
+            rep["tokens"] += got.shape[2]
+            if not H.same_bits(got, H.make_kv(toks[: got.shape[2]])):
+                rep["wrong"] += 1
+    return rep
+
+
+FUNCTIONS = {"killed_mid_commit": killed_mid_commit, "probe_store": probe_store, "write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family,
              "evict_store": evict_store, "ranked_writer": ranked_writer}
 
 

@@ -1,0 +1,290 @@
+"""Corruption fuzzing of every on-disk structure: record payloads and headers, index entries,
+the store marker and settings, and the LMDB pages of the index and of an ``lmdb`` store.
+
+Every damaged record must be a miss (a shorter, correct prefix through the library, as in
+vLLM a recompute): never wrong KV, never an exception into the caller. Damage to LMDB's own
+pages is probed in a separate process, since LMDB does not checksum its pages."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import pytest
+from kvhelpers import (  # noqa: I001
+    REPO,
+    Zygote,
+    craft,
+    header_fields,
+    make_kv,
+    open_cache,
+    same_bits,
+    seq_tokens,
+)
+from relhelpers import record, scale
+
+from kvtier.backends import MARKER as MARKER_NAME
+from kvtier.backends.index import StoreIndex
+
+SEQS = list(range(12))
+
+
+def _fill(store: Path, backend: str) -> None:
+    with open_cache(store, backend) as cache:
+        for i in SEQS:
+            toks = seq_tokens(i)
+            cache.save(toks, make_kv(toks))
+        assert cache.flush(60)
+
+
+def _entries(store: Path) -> dict[bytes, tuple[int, int, int]]:
+    """key -> (location, token_start, tokens), from the store's index."""
+    index = StoreIndex(store, readonly=True)
+    try:
+        return {e.key: (e.location, e.token_start, e.num_tokens) for e in index.entries()}
+    finally:
+        index.close()
+
+
+# -- raw access to a record (the store closed) -----------------------------------------------
+def _raw_get(store: Path, backend: str, key: bytes, loc: int) -> bytes:
+    if backend == "files":
+        h = key.hex()
+        return (store / "files" / h[:2] / h[2:4] / f"{h}.{loc:016x}.kvt").read_bytes()
+    env = lmdb.open(str(store / "lmdb"), max_dbs=8, subdir=True, map_size=1 << 30)
+    try:
+        with env.begin() as txn:
+            return bytes(txn.get(loc.to_bytes(8, "big") + key, db=env.open_db(b"records", txn=txn)))
+    finally:
+        env.close()
+
+
+def _raw_put(store: Path, backend: str, key: bytes, loc: int, data: bytes) -> None:
+    if backend == "files":
+        h = key.hex()
+        (store / "files" / h[:2] / h[2:4] / f"{h}.{loc:016x}.kvt").write_bytes(data)
+        return
+    env = lmdb.open(str(store / "lmdb"), max_dbs=8, subdir=True, map_size=1 << 30)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(loc.to_bytes(8, "big") + key, data, db=env.open_db(b"records", txn=txn))
+    finally:
+        env.close()
+
+
+def _flip(rec: bytes, rng: random.Random) -> bytes:
+    b = bytearray(rec)
+    b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+    return bytes(b)
+
+
+def _zero_page(rec: bytes, rng: random.Random) -> bytes:
+    b = bytearray(rec)
+    start = rng.randrange(0, max(1, len(b) // 4096)) * 4096
+    b[start : start + 4096] = bytes(len(b[start : start + 4096]))
+    return bytes(b)
+
+
+def _crafted(rec: bytes, rng: random.Random) -> bytes:
+    f = header_fields(rec)
+    dims = list(struct.unpack_from(f"<{f['ndim']}Q", rec, 116))
+    choice = rng.choice(["shape", "dtype", "key", "payload_len", "raw_len", "codec", "format_version",
+                         "header_len"])
+    if choice == "shape":  # the same number of elements, another shape
+        rng.shuffle(dims)
+        if dims == list(struct.unpack_from(f"<{f['ndim']}Q", rec, 116)):
+            dims = [dims[0] * 2, dims[1] // 2 or 1, *dims[2:]]
+        return craft(rec, shape=tuple(dims))
+    if choice == "dtype":
+        return craft(rec, dtype=f["dtype"] ^ 1)
+    if choice == "key":
+        return craft(rec, key=os.urandom(32))
+    if choice == "codec":
+        return craft(rec, codec=f["codec"] ^ 1)
+    if choice == "format_version":
+        return craft(rec, format_version=f["format_version"] + 1)
+    if choice == "header_len":
+        return craft(rec, header_len=rng.choice([0, 9, 65535]))
+    return craft(rec, **{choice: f[choice] + rng.choice([-8, -1, 1, 8, 1 << 40])})
+
+
+MUTATIONS: dict[str, Callable[[bytes, bytes, random.Random], bytes]] = {
+    # name -> fn(record, another record, rng) -> damaged record
+    "bit flip": lambda r, _, rng: _flip(r, rng),
+    "truncation": lambda r, _, rng: r[: rng.randrange(len(r))],
+    "zeroed page": lambda r, _, rng: _zero_page(r, rng),
+    "swapped record": lambda _, other, rng: other,
+    "crafted header": lambda r, _, rng: _crafted(r, rng),
+}
+
+
+def _check_all(store: Path, backend: str) -> tuple[int, dict[int, int]]:
+    """Load every sequence; return (wrong loads, sequence -> tokens served)."""
+    wrong, served = 0, {}
+    with open_cache(store, backend) as cache:
+        for i in SEQS:
+            toks = seq_tokens(i)
+            got = cache.load(toks)  # never raises for damage
+            served[i] = got.shape[2]
+            if not same_bits(got, make_kv(toks[: got.shape[2]])):
+                wrong += 1
+    return wrong, served
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_damaged_records_are_never_served(tmp_path: Path, backend: str) -> None:
+    store = tmp_path / "s"
+    seed = time.time_ns() % 100_000
+    rng = random.Random(seed)
+    rounds = scale(30, 2000)
+    tried = detected = missed = 0
+    by_kind: dict[str, int] = {}
+    for n in range(rounds):
+        _fill(store, backend)  # re-saves (heals) what an earlier round's detection removed
+        entries = _entries(store)
+        key = rng.choice(sorted(entries))
+        other = rng.choice(sorted(k for k in entries if k != key))
+        loc, start, ntok = entries[key]
+        kind = rng.choice(sorted(MUTATIONS))
+        rec = _raw_get(store, backend, key, loc)
+        bad = MUTATIONS[kind](rec, _raw_get(store, backend, other, entries[other][0]), rng)
+        if bad == rec:
+            continue
+        _raw_put(store, backend, key, loc, bad)
+        tried += 1
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+        wrong, served = _check_all(store, backend)
+        assert wrong == 0, f"round {n} ({kind}, seed {seed}): wrong KV served"
+        # the damaged chunk was not served: no sequence's loaded prefix reaches into it
+        # through this key (its chain is the only one that names it)
+        with open_cache(store, backend) as cache:
+            got = cache.store.load(key)
+            ok_shape = got.tensor is not None and got.tensor.shape[2] == ntok
+            served_it = got.tensor is not None and ok_shape and any(
+                served[i] >= start + ntok and any(c.key == key for c in cache.chunks(seq_tokens(i)))
+                for i in SEQS)
+        if served_it:
+            missed += 1
+        else:
+            detected += 1
+    record(f"fuzz/records/{backend}", mutations=tried, detected=detected, missed=missed,
+           **{f"kind {k}": v for k, v in sorted(by_kind.items())})
+    assert missed == 0
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_damaged_index_entries_never_serve_wrong_kv(tmp_path: Path, backend: str) -> None:
+    """Bit flips and truncations in the index's own rows (entries, chain places, LRU order):
+    lookups may promise less or more, loads only ever serve correct KV, nothing raises, and
+    the store keeps taking saves."""
+    store = tmp_path / "s"
+    seed = time.time_ns() % 100_000
+    rng = random.Random(seed)
+    rounds = scale(30, 1000)
+    tried = 0
+    for n in range(rounds):
+        _fill(store, backend)
+        env = lmdb.open(str(store / "index"), max_dbs=8, subdir=True, map_size=64 << 30)
+        try:
+            with env.begin(write=True) as txn:
+                db_name = rng.choice([b"entries", b"entries", b"chains", b"lru"])
+                db = env.open_db(db_name, txn=txn)
+                rows = list(txn.cursor(db=db))
+                k, v = rows[rng.randrange(len(rows))]
+                k, v = bytes(k), bytes(v)
+                if db_name == b"entries":
+                    new = _flip(v, rng) if rng.random() < 0.7 else v[: rng.randrange(len(v))]
+                    txn.put(k, new, db=db)
+                else:  # a row whose key is damaged: the old place gone, a wrong one there
+                    txn.delete(k, db=db)
+                    txn.put(_flip(k, rng), v, db=db)
+        finally:
+            env.close()
+        tried += 1
+        wrong, _ = _check_all(store, backend)
+        assert wrong == 0, f"round {n} ({db_name!r}, seed {seed})"
+    with open_cache(store, backend, disk_bytes="400K") as cache:  # saves and evictions still work
+        for i in range(100, 140):
+            toks = seq_tokens(i)
+            cache.save(toks, make_kv(toks))
+        assert cache.flush(60)
+        st = cache.stats()
+        assert st["saves_committed"] > 0 and st["evicted_disk"] > 0, st
+    record(f"fuzz/index/{backend}", mutations=tried, wrong_kv_served=0, exceptions=0)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_damaged_marker_and_settings(tmp_path: Path) -> None:
+    """A damaged marker is refused with a clear message (no traceback); damaged or absurd
+    stored settings are ignored with a warning, and the store keeps working."""
+    store = tmp_path / "s"
+    _fill(store, "files")
+    good = (store / MARKER_NAME).read_text()
+    tried = 0
+    for bad in ["", "{", "[]", '{"format": "kvtier-store"}', good.replace("files", "tape"),
+                good.replace('"layout_version": 2', '"layout_version": "2"')]:
+        (store / MARKER_NAME).write_text(bad)
+        r = _cli("ls", str(store))
+        assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("kvtier: error:"), r
+        tried += 1
+    (store / MARKER_NAME).write_text(good)
+    for settings in [b"not json", b"[1, 2]", json.dumps({"disk_bytes": -5, "max_record_bytes": "huge",
+                                                          "chunk_tokens": 0}).encode()]:
+        env = lmdb.open(str(store / "index"), max_dbs=8, subdir=True, map_size=64 << 30)
+        with env.begin(write=True) as txn:
+            txn.put(b"settings", settings, db=env.open_db(b"info", txn=txn))
+        env.close()
+        r = _cli("verify", str(store))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r
+        assert _check_all(store, "files")[0] == 0
+        tried += 1
+    record("fuzz/marker_and_settings", mutations=tried, refused_clearly_or_ignored=tried)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str) -> None:
+    """Bytes flipped or pages zeroed in LMDB's files, probed in a separate process: loads
+    serve only correct KV, or the store is refused with an error. LMDB does not checksum its
+    pages, so a damaged page can also crash the process that reads it: counted, not hidden."""
+    seed = time.time_ns() % 100_000
+    rng = random.Random(seed)
+    rounds = scale(12, 400)
+    outcomes = {"served only correct KV": 0, "refused with an error": 0, "crashed": 0}
+    errors: list[str] = []
+    files = ["index/data.mdb"] + (["lmdb/data.mdb"] if backend == "lmdb" else [])
+    for n in range(rounds):
+        store = tmp_path / f"s{n}"
+        _fill(store, backend)
+        target = store / rng.choice(files)
+        data = bytearray(target.read_bytes())
+        page = rng.randrange(2, max(3, len(data) // 4096))  # not the two meta pages
+        if rng.random() < 0.5:
+            data[page * 4096 : (page + 1) * 4096] = bytes(4096)
+        else:
+            for _ in range(8):
+                data[page * 4096 + rng.randrange(4096)] ^= 0xFF
+        target.write_bytes(bytes(data))
+        rep = zygote.request("call", timeout=60, fn="probe_store",
+                             kwargs={"path": str(store), "backend": backend, "sequences": SEQS})
+        if "error" not in rep:
+            assert rep["wrong"] == 0, f"round {n} (seed {seed}): wrong KV served"
+            outcomes["served only correct KV"] += 1
+        elif "no answer" in rep["error"] or "did not finish" in rep["error"]:
+            outcomes["crashed"] += 1
+        else:
+            outcomes["refused with an error"] += 1
+            errors.append(rep["error"].strip().splitlines()[-1])
+    record(f"fuzz/lmdb_pages/{backend}", mutations=rounds, wrong_kv_served=0, **outcomes,
+           errors=sorted(set(errors)))
