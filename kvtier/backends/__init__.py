@@ -15,7 +15,8 @@ import os
 import time
 from pathlib import Path
 
-import lmdb
+# (not 'import lmdb': the submodule kvtier.backends.lmdb would shadow that name here)
+from lmdb import Error as LmdbError
 
 from kvtier.backends.base import Backend, EntryInfo, PutItem, PutResult
 from kvtier.backends.payloads import PayloadStore
@@ -136,13 +137,14 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
         )
     try:
         return _make_backend(root, config, readonly)
-    except lmdb.Error as exc:
+    except LmdbError as exc:
         raise _damaged(root, exc) from None
 
 
 def _damaged(root: Path, exc: Exception) -> StoreDamaged:
-    return StoreDamaged(f"{root}: the store cannot be opened ({type(exc).__name__}: {exc}); its index "
-                        "is damaged: move the directory away or delete it (the cache refills itself)")
+    return StoreDamaged(f"{root}: the store's LMDB database cannot be opened ({type(exc).__name__}: {exc}); "
+                        "if its files are damaged, move the directory away or delete it (the cache "
+                        "refills itself); if they are not readable, check their permissions")
 
 
 def adopt_settings(backend: Backend, config: CacheConfig) -> None:
@@ -202,7 +204,7 @@ def open_shared(config: CacheConfig, *, readonly: bool = False) -> tuple[StoreLo
         backend.close()
         if lock is not None:
             lock.release()
-        if isinstance(exc, lmdb.Error):
+        if isinstance(exc, LmdbError):
             raise _damaged(config.path, exc) from None
         raise
     return lock, backend
