@@ -65,6 +65,7 @@ class FilePayloads(PayloadStore):
         self.max_record_bytes = max_record_bytes
         self._data = root / "files"
         self._tmp = root / "files" / "tmp"
+        self._data_real = os.path.realpath(self._data)
         if not readonly:
             for d in (self._data, self._tmp):
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -94,6 +95,16 @@ class FilePayloads(PayloadStore):
         h = key.hex()
         return self._data / h[:2] / h[2:4] / f"{h}.{location:016x}{SUFFIX}"
 
+    def _inside(self, key: bytes, location: int) -> str:
+        """The record's path, refusing one whose directories lead out of the store (a store
+        prepared by someone else may hold symlinks): kvtier never reads or removes a file
+        outside it. (The file itself is opened with ``O_NOFOLLOW``.)"""
+        path = self.path_of(key, location)
+        h = key.hex()
+        if os.path.realpath(path.parent) != os.path.join(self._data_real, h[:2], h[2:4]):
+            raise OSError(errno.ELOOP, "a directory of the record is a link out of the store", str(path))
+        return str(path)
+
     def found(self) -> Iterator[tuple[bytes, int]]:
         """Every record file on disk, as ``(key, location)``."""
         if not self._data.is_dir():
@@ -110,7 +121,8 @@ class FilePayloads(PayloadStore):
                         yield parsed
 
     def remove_found(self, key: bytes, location: int) -> None:
-        _unlink_quiet(str(self.path_of(key, location)))
+        with contextlib.suppress(OSError):
+            _unlink_quiet(self._inside(key, location))
 
     def _remove_dead_temps(self) -> None:
         """Delete temp files of writers that no longer run (a killed writer's leftovers)."""
@@ -139,7 +151,7 @@ class FilePayloads(PayloadStore):
                 final = self.path_of(it.key, loc)
                 try:
                     changed |= self._make_dirs(final.parent)
-                    os.replace(res, final)
+                    os.replace(res, self._inside(it.key, loc))
                     changed.add(final.parent)
                     errors.append(None)
                 except OSError as exc:
@@ -244,13 +256,14 @@ class FilePayloads(PayloadStore):
 
     def delete(self, entries: list[EntryInfo]) -> None:
         for e in entries:
-            _unlink_quiet(str(self.path_of(e.key, e.location)))
+            with contextlib.suppress(OSError):
+                _unlink_quiet(self._inside(e.key, e.location))
 
     # -- reads ---------------------------------------------------------------------------
     def read(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
         try:
             # O_NOFOLLOW: a store prepared by someone else must not lead reads out of it
-            fd = os.open(self.path_of(entry.key, entry.location), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(self._inside(entry.key, entry.location), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss
         try:
@@ -266,7 +279,7 @@ class FilePayloads(PayloadStore):
 
     def read_head(self, entry: EntryInfo, n: int) -> tuple[bytes, int] | None:
         try:
-            with open(self.path_of(entry.key, entry.location), "rb", buffering=0,
+            with open(self._inside(entry.key, entry.location), "rb", buffering=0,
                       opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
                 return f.read(n), os.fstat(f.fileno()).st_size
         except FileNotFoundError:

@@ -144,7 +144,7 @@ def test_damaged_records_are_never_served(tmp_path: Path, backend: str) -> None:
     store = tmp_path / "s"
     seed = time.time_ns() % 100_000
     rng = random.Random(seed)
-    rounds = scale(30, 2000)
+    rounds = scale(30, 500)
     tried = detected = missed = 0
     by_kind: dict[str, int] = {}
     for n in range(rounds):
@@ -188,7 +188,7 @@ def test_damaged_index_entries_never_serve_wrong_kv(tmp_path: Path, backend: str
     store = tmp_path / "s"
     seed = time.time_ns() % 100_000
     rng = random.Random(seed)
-    rounds = scale(30, 1000)
+    rounds = scale(30, 300)
     tried = 0
     for n in range(rounds):
         _fill(store, backend)
