@@ -44,7 +44,7 @@ def test_processes_and_cli_on_one_store(zygote: Zygote, tmp_path: Path, backend:
         calls = [{"fn": "mixer", "kwargs": {"path": str(store), "backend": backend, "seed": seed,
                                             "seconds": seconds, "universe": UNIVERSE, "cfg": cfg}}
                  for seed in (1, 2, 3)]
-        reps = zygote.request("parallel", calls=calls, timeout=seconds + 120)
+        reps = zygote.request("parallel", calls=calls, timeout=seconds + 120, child_timeout=seconds + 60)
     finally:
         stop.set()
         t.join()

@@ -230,7 +230,7 @@ def handle(req: dict[str, Any]) -> Any:
         return _unwrap(_collect(pid, r, req.get("timeout", 60)))
     if cmd == "parallel":
         started = [_spawn(c["fn"], c["kwargs"]) for c in req["calls"]]
-        return [_unwrap(_collect(pid, r, req.get("timeout", 60))) for pid, r in started]
+        return [_unwrap(_collect(pid, r, req.get("child_timeout", 60))) for pid, r in started]
     if cmd == "crash":
         r, w = os.pipe()
         t0 = time.monotonic()

@@ -221,7 +221,8 @@ def verify_store(store: Path, backend: str, exp: Expected, context: str,
         found = set(s.backend.payloads.found())
         named = {(e.key, e.location) for e in entries}
         assert named <= found, f"{context}: index entries without their payload"
-        assert s.backend.sweep_orphans(grace_s=0) == len(found - named), context
+        # (the store may already be sweeping in the background: it saw a killed writer)
+        assert s.backend.sweep_orphans(grace_s=0) <= len(found - named), context
         assert set(s.backend.payloads.found()) == named, f"{context}: orphans left after the sweep"
         assert s.backend.occupied() == sum(e.occupied for e in entries), context
         if backend == "files":
