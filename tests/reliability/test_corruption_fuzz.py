@@ -147,6 +147,7 @@ def test_damaged_records_are_never_served(tmp_path: Path, backend: str) -> None:
     rounds = scale(30, 500)
     tried = detected = missed = 0
     by_kind: dict[str, int] = {}
+    misses: list[str] = []
     for n in range(rounds):
         _fill(store, backend)  # re-saves (heals) what an earlier round's detection removed
         entries = _entries(store)
@@ -173,11 +174,12 @@ def test_damaged_records_are_never_served(tmp_path: Path, backend: str) -> None:
                 for i in SEQS)
         if served_it:
             missed += 1
+            misses.append(f"round {n}: {kind} on {key.hex()[:12]} ({got.outcome.value}, seed {seed})")
         else:
             detected += 1
     record(f"fuzz/records/{backend}", mutations=tried, detected=detected, missed=missed,
            **{f"kind {k}": v for k, v in sorted(by_kind.items())})
-    assert missed == 0
+    assert missed == 0, misses
 
 
 @pytest.mark.parametrize("backend", ["lmdb", "files"])
