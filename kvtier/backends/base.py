@@ -35,6 +35,7 @@ from kvtier.backends.index import (
 from kvtier.backends.lmdb_env import EnvHandle
 from kvtier.backends.payloads import PayloadStore, PutItem
 from kvtier.config import CacheConfig
+from kvtier.errors import StoreDamaged
 
 T = TypeVar("T")
 log = logging.getLogger("kvtier")
@@ -226,7 +227,11 @@ class Backend:
     def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
         """Remember what a namespace id stands for (for ``kvtier ls``)."""
         if not self.readonly:
-            self.index.register_namespace(namespace_id, description)
+            try:
+                self.index.register_namespace(namespace_id, description)
+            except lmdb.Error as exc:  # at start-up, like opening: a damaged index is refused
+                raise StoreDamaged(f"{self.root}: the store's index is damaged ({exc}); move the "
+                                   "directory away or delete it (the cache refills itself)") from None
 
     def namespaces(self) -> dict[bytes, dict[str, object]]:
         return self.index.namespaces()
