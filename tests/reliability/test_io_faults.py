@@ -8,14 +8,13 @@ from __future__ import annotations
 import errno
 import os
 import random
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kvhelpers import CHUNK, make_kv, open_cache, same_bits, tokens  # noqa: I001
+from kvhelpers import CHUNK, make_kv, open_cache, same_bits, small_tmpfs, tokens  # noqa: I001
 from relhelpers import record, scale
 
 from kvtier.backends import files as files_backend
@@ -83,16 +82,8 @@ def test_eio_at_the_syscall_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyP
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 6 MiB tmpfs (needs root: tests run as root here and in CI)."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs for the full-disk test: {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path, "6m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.parametrize("backend", ["lmdb", "files"])

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvhelpers import Zygote
+from kvhelpers import Zygote, small_tmpfs
 
 # tests/conftest.py exports REPO; keep ``from conftest import REPO`` working whichever
 # conftest module Python last imported under that name.
@@ -27,13 +26,5 @@ def zygote() -> Iterator[Zygote]:
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs mounted under tmp_path (needs root: tests run as root here and in CI)."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to simulate a full disk (needs root): {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path, "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
