@@ -307,7 +307,7 @@ class ChunkStore:
             self.counters.add(io_errors=1)
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
             return 0
-        if n < len(spans):  # queued and not yet stored counts too
+        if n < len(spans) and spans[n][1] in self._pending:  # queued, not yet stored: counts too
             n += self.count_present_prefix([k for _, k in spans[n:]])
         return n
 

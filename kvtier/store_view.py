@@ -24,15 +24,6 @@ class StoreView:
         self.lookup_errors = 0
         self._closed = False
 
-    def count_present_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the store holds (0 if the index cannot be read)."""
-        try:
-            return self.backend.count_present_prefix(keys)
-        except Exception as exc:  # a lookup fault is a miss, never a failed request
-            self.lookup_errors += 1
-            log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
-            return 0
-
     def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]]) -> int:
         """How many leading chunks ``(token_start, key)`` of the chain whose first chunk is
         ``head`` the store holds (0 if the index cannot be read). Reads the chain's chunks

@@ -29,6 +29,7 @@ from kvtier.backends.index import (
     NO_KEY,
     EntryInfo,
     StoreIndex,
+    budget_of,
     iter_unreferenced,
     new_location,
 )
@@ -113,7 +114,7 @@ class Backend:
                              head=it.head or (it.key if it.parent is None else NO_KEY))
                    for it, loc in ok]
             try:
-                done = self.index.publish(new, self.budget(), EVICT_LOW_WATERMARK)
+                done = self.index.publish(new, int(self.config.disk_bytes), EVICT_LOW_WATERMARK)
             except Exception as exc:
                 self.payloads.delete(new)  # never published: nobody can see them
                 raise OSError(f"index commit failed: {exc}") from exc
@@ -139,9 +140,7 @@ class Backend:
 
     def budget(self) -> int:
         """The store's disk budget: the one the store records (every writer shares it)."""
-        value = self.index.settings().get("disk_bytes")
-        valid = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        return int(value) if valid else int(self.config.disk_bytes)  # type: ignore[arg-type]
+        return int(budget_of(self.index.settings(), int(self.config.disk_bytes)))  # type: ignore[arg-type]
 
     def touch(self, keys: Iterable[bytes], now_ns: int) -> None:
         """Record a use of ``keys`` for LRU eviction."""

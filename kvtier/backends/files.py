@@ -26,6 +26,7 @@ import contextlib
 import errno
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +66,6 @@ class FilePayloads(PayloadStore):
         self.max_record_bytes = max_record_bytes
         self._data = root / "files"
         self._tmp = root / "files" / "tmp"
-        self._data_real = os.path.realpath(self._data)
         if not readonly:
             for d in (self._data, self._tmp):
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -100,9 +100,9 @@ class FilePayloads(PayloadStore):
         prepared by someone else may hold symlinks): kvtier never reads or removes a file
         outside it. (The file itself is opened with ``O_NOFOLLOW``.)"""
         path = self.path_of(key, location)
-        h = key.hex()
-        if os.path.realpath(path.parent) != os.path.join(self._data_real, h[:2], h[2:4]):
-            raise OSError(errno.ELOOP, "a directory of the record is a link out of the store", str(path))
+        for d in (path.parent.parent, path.parent):  # the two shard levels kvtier created
+            if stat.S_ISLNK(os.lstat(d).st_mode):
+                raise OSError(errno.ELOOP, "a directory of the record is a link out of the store", str(path))
         return str(path)
 
     def found(self) -> Iterator[tuple[bytes, int]]:

@@ -185,6 +185,16 @@ def _forget_registrations_in_child() -> None:
 forksafe.register(forksafe.BACKEND, after_in_child=_forget_registrations_in_child)
 
 
+class _Db:
+    """A database handle of the index's environment, looked up on each use."""
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+
+    def __get__(self, index: StoreIndex, owner: type | None = None) -> object:
+        return index.env.dbs[self.name]
+
+
 class StoreIndex:
     """The shared index of one store (one per process and store; thread-safe)."""
 
@@ -193,35 +203,15 @@ class StoreIndex:
         self.readonly = readonly
         self.env = EnvHandle(self.path, readonly=readonly, sync=sync, map_size=_INDEX_MAP, dbs=_DBS)
 
-    # Database handles belong to this process's environment, which a fork replaces: look
-    # them up on every use.
-    @property
-    def _entries(self) -> object:
-        return self.env.dbs[b"entries"]
-
-    @property
-    def _chains(self) -> object:
-        return self.env.dbs[b"chains"]
-
-    @property
-    def _lru(self) -> object:
-        return self.env.dbs[b"lru"]
-
-    @property
-    def _children(self) -> object:
-        return self.env.dbs[b"children"]
-
-    @property
-    def _groups(self) -> object:
-        return self.env.dbs[b"groups"]
-
-    @property
-    def _info(self) -> object:
-        return self.env.dbs[b"info"]
-
-    @property
-    def _ns(self) -> object:
-        return self.env.dbs[b"namespaces"]
+    # Database handles belong to this process's environment, which a fork replaces: looked
+    # up on every use.
+    _entries = _Db(b"entries")
+    _chains = _Db(b"chains")
+    _lru = _Db(b"lru")
+    _children = _Db(b"children")
+    _groups = _Db(b"groups")
+    _info = _Db(b"info")
+    _ns = _Db(b"namespaces")
 
     def close(self) -> None:
         self.env.close()
@@ -320,13 +310,16 @@ class StoreIndex:
         with self._write() as txn:
             txn.put(namespace_id, blob, db=self._ns)
 
-    def publish(self, new: Sequence[EntryInfo], budget: int | None, low_watermark: float) -> Published:
+    def publish(self, new: Sequence[EntryInfo], default_budget: int | None, low_watermark: float
+                ) -> Published:
         """Make ``new`` entries visible in one commit (their payloads must already be
-        durable), then evict down to ``low_watermark`` x ``budget`` if the occupied bytes
-        exceed ``budget``. Returns what was replaced or evicted, whose payloads the caller
-        removes after this returns."""
+        durable), then, if the occupied bytes exceed the store's budget (the ``disk_bytes``
+        its settings record, read in this same commit; else ``default_budget``), evict down
+        to ``low_watermark`` x that budget. Returns what was replaced or evicted, whose
+        payloads the caller removes after this returns."""
         replaced: list[EntryInfo] = []
         with self._write() as txn:
+            budget = budget_of(_json_object(txn.get(_SETTINGS_KEY, db=self._info)), default_budget)
             tot = self._totals(txn)
             for e in new:
                 if e.head == NO_KEY:  # not given: the parent's head, or a chain of its own
@@ -531,6 +524,13 @@ class StoreIndex:
         """Whether the index names this payload (the orphan sweep's question)."""
         e = self.get(key)
         return e is not None and e.location == location
+
+
+def budget_of(settings: dict[str, object], default: int | None) -> int | None:
+    """The ``disk_bytes`` a store's settings record, if valid, else ``default``."""
+    value = settings.get("disk_bytes")
+    valid = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if valid else default  # type: ignore[return-value]
 
 
 def _json_object(raw: bytes | memoryview | None) -> dict[str, object]:

@@ -119,8 +119,5 @@ class LmdbPayloads(PayloadStore):
     def compact(self) -> int:
         return self.env.compact()
 
-    def after_fork_in_child(self) -> None:
-        pass  # the environment reopens itself in the child (EnvHandle)
-
     def close(self) -> None:
         self.env.close()

@@ -9,6 +9,11 @@ mutations, faults, operations), printed at the end of the run and written as JSO
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
 
 LONG = os.environ.get("KVTIER_RELIABILITY", "") == "long"
 FIGURES: dict[str, dict[str, object]] = {}
@@ -25,3 +30,9 @@ def record(part: str, **figures: object) -> None:
     for k, v in figures.items():
         old = mine.get(k)
         mine[k] = old + v if isinstance(v, int) and isinstance(old, int) else v
+
+
+def kvtier_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvtier`` command line in its own process, as an operator would."""
+    return subprocess.run([sys.executable, "-m", "kvtier", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)

@@ -12,8 +12,6 @@ import os
 import random
 import re
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +21,6 @@ import pytest
 import torch
 from kvhelpers import (  # noqa: I001
     KV_SHAPE,
-    REPO,
     Zygote,
     craft,
     header_fields,
@@ -32,7 +29,7 @@ from kvhelpers import (  # noqa: I001
     same_bits,
     seq_tokens,
 )
-from relhelpers import record, scale
+from relhelpers import kvtier_cli, record, scale
 
 from kvtier import codec
 from kvtier.backends import MARKER as MARKER_NAME
@@ -252,11 +249,6 @@ def test_damaged_index_entries_never_serve_wrong_kv(tmp_path: Path, backend: str
     record(f"fuzz/index/{backend}", mutations=tried, wrong_kv_served=0, exceptions=0)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-
-
 def test_damaged_marker_and_settings(tmp_path: Path) -> None:
     """A damaged marker is refused with a clear message (no traceback); damaged or absurd
     stored settings are ignored with a warning, and the store keeps working."""
@@ -267,7 +259,7 @@ def test_damaged_marker_and_settings(tmp_path: Path) -> None:
     for bad in ["", "{", "[]", '{"format": "kvtier-store"}', good.replace("files", "tape"),
                 good.replace('"layout_version": 2', '"layout_version": "2"')]:
         (store / MARKER_NAME).write_text(bad)
-        r = _cli("ls", str(store))
+        r = kvtier_cli("ls", str(store))
         assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("kvtier: error:"), r
         tried += 1
     (store / MARKER_NAME).write_text(good)
@@ -277,7 +269,7 @@ def test_damaged_marker_and_settings(tmp_path: Path) -> None:
         with env.begin(write=True) as txn:
             txn.put(b"settings", settings, db=env.open_db(b"info", txn=txn))
         env.close()
-        r = _cli("verify", str(store))
+        r = kvtier_cli("verify", str(store))
         assert r.returncode == 0 and "Traceback" not in r.stderr, r
         assert _check_all(store, "files")[0] == 0
         tried += 1

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kvhelpers import REPO  # noqa: I001
-from relhelpers import record, scale
+from relhelpers import kvtier_cli, record, scale
 
 from kvtier import CacheConfig, ChunkStore
 from kvtier.store import Outcome
@@ -63,8 +63,7 @@ def _check_store(store: Path) -> int:
             assert got.outcome is Outcome.HIT, (e.key.hex()[:16], got)
         s.backend.sweep_orphans(grace_s=0)
         assert set(s.backend.payloads.found()) == {(e.key, e.location) for e in entries}
-    r = subprocess.run([sys.executable, "-m", "kvtier", "verify", str(store)], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = kvtier_cli("verify", store)
     assert r.returncode == 0, r.stdout + r.stderr
     return len(entries)
 

@@ -4,15 +4,13 @@ for seconds in the normal run and minutes in a long one. Then the whole store is
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from kvhelpers import REPO, Expected, Zygote, verify_store  # noqa: I001
-from relhelpers import record, scale
+from kvhelpers import Expected, Zygote, verify_store  # noqa: I001
+from relhelpers import kvtier_cli, record, scale
 
 UNIVERSE = 30
 
@@ -34,8 +32,7 @@ def test_processes_and_cli_on_one_store(zygote: Zygote, tmp_path: Path, backend:
             if not (store / "kvtier-store.json").exists():
                 time.sleep(0.05)
                 continue
-            r = subprocess.run([sys.executable, "-m", "kvtier", cmd[0], str(store), *cmd[1:]], cwd=REPO,
-                               capture_output=True, text=True, timeout=120)
+            r = kvtier_cli(cmd[0], store, *cmd[1:])
             cli_runs.append((cmd[0], r.returncode, r.stderr[-300:]))
 
     t = threading.Thread(target=cli_loop)

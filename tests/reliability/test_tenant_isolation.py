@@ -4,12 +4,10 @@ other's chunks, through the library or the CLI, unless the CLI is asked for them
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from kvhelpers import REPO, make_kv, namespace, open_cache, same_bits, tokens  # noqa: I001
-from relhelpers import record
+from kvhelpers import make_kv, namespace, open_cache, same_bits, tokens  # noqa: I001
+from relhelpers import kvtier_cli, record
 
 from kvtier import RequestExtras
 
@@ -38,12 +36,13 @@ def test_tenants_never_see_each_other(tmp_path: Path) -> None:
         with open_cache(store, "files", ns=namespace(model="model-c")) as cache:
             assert cache.lookup(TOKS, extras) == 0  # a model that saved nothing sees nothing
     # The CLI lists and evicts one namespace only when asked for it.
-    ls = json.loads(subprocess.run([sys.executable, "-m", "kvtier", "ls", str(store), "--json"], cwd=REPO,
-                                   capture_output=True, text=True, check=True).stdout)
+    r = kvtier_cli("ls", store, "--json")
+    assert r.returncode == 0, r.stderr
+    ls = json.loads(r.stdout)
     assert {n["model"] for n in ls["namespaces"]} == {"model-a", "model-b", "model-c"}
     a = namespace(model="model-a").id.hex()
-    r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(store), "--namespace", a[:12], "--all",
-                        "--json"], cwd=REPO, capture_output=True, text=True, check=True)
+    r = kvtier_cli("evict", store, "--namespace", a[:12], "--all", "--json")
+    assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["removed"]["records"] > 0
     with open_cache(store, "files", ns=namespace(model="model-b")) as cache:
         assert cache.lookup(TOKS) == len(TOKS)  # the other model's chunks stay

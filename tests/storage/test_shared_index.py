@@ -37,15 +37,16 @@ def test_eviction_by_another_process_is_seen_at_once(zygote: Zygote, tmp_path: P
         cache.save(TOKS, make_kv(TOKS))
         assert cache.flush(30)
         keys = [c.key for c in cache.chunks(TOKS)]
+        spans = [(c.start, c.key) for c in cache.chunks(TOKS)]
         view = StoreView(config(store, backend))
         try:
-            assert view.count_present_prefix(keys) == 6
+            assert view.count_present_chain(keys[0], spans) == 6
             half = cache.store.backend.occupied() // 2
             rep = zygote.request("call", fn="evict_store",
                                  kwargs={"path": str(store), "backend": backend, "target_bytes": half})
             assert rep["evicted"] == 3, rep
             # the chain's tail went first: the head still serves a 3-chunk prefix
-            assert view.count_present_prefix(keys) == 3
+            assert view.count_present_chain(keys[0], spans) == 3
             assert cache.store.count_present_prefix(keys) == 3
             assert cache.lookup(TOKS) == 3 * CHUNK
             for k in keys[:3]:
@@ -54,7 +55,7 @@ def test_eviction_by_another_process_is_seen_at_once(zygote: Zygote, tmp_path: P
             assert keys[5] in cache.store.host
             assert cache.save(TOKS, make_kv(TOKS)) == 3 * CHUNK
             assert cache.flush(30)
-            assert view.count_present_prefix(keys) == 6
+            assert view.count_present_chain(keys[0], spans) == 6
         finally:
             view.close()
     with open_cache(store, backend) as cache:
@@ -110,13 +111,14 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
         cache.save(other, make_kv(other))
         assert cache.flush(30)
         keys = [c.key for c in cache.chunks(TOKS)]
+        spans = [(c.start, c.key) for c in cache.chunks(TOKS)]
         view = StoreView(config(store, backend))
         try:
             assert view.lease(keys[-1:], 60.0)
             rep = zygote.request("call", fn="evict_store",
                                  kwargs={"path": str(store), "backend": backend, "target_bytes": 0})
             assert rep["evicted"] == 2, rep  # only the unleased prompt
-            assert view.count_present_prefix(keys) == 6
+            assert view.count_present_chain(keys[0], spans) == 6
             assert view.lease(keys[-1:], 0.0)  # a lease only ever grows: this changes nothing
             assert zygote.request("call", fn="evict_store", kwargs={
                 "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
@@ -259,6 +261,17 @@ def test_settings_are_stored_with_the_store(tmp_path: Path, backend: str, caplog
     with caplog.at_level("WARNING", logger="kvtier"), open_cache(store, backend, disk_bytes="5M") as c:
         assert c.store.backend.budget() == 5 << 20
     assert "disk_bytes 3145728 -> 5242880" in caplog.text
+    # A writer that opened with a roomy budget obeys the one a later writer recorded: each
+    # commit reads it from the store.
+    with open_cache(store, backend, disk_bytes="64M") as roomy:
+        with open_cache(store, backend, disk_bytes="200K"):
+            pass
+        for i in range(20):
+            toks = tokens(300 + i, CHUNK)
+            roomy.save(toks, make_kv(toks))
+            assert roomy.flush(30)
+        assert roomy.stats()["evicted_disk"] > 0
+        assert roomy.store.backend.occupied() <= 200 << 10
 
 
 def test_orphan_payloads_of_a_killed_writer_are_swept(tmp_path: Path, backend: str) -> None:
