@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -214,6 +214,20 @@ def verify_payload(header: RecordHeader, record: bytes | memoryview) -> memoryvi
     return payload
 
 
+def verify_pieces(header: RecordHeader, pieces: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """:func:`verify_payload` for a payload stored in pieces (e.g. the parts of a remote value)."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    got = sum(len(v) for v in views)
+    if got != header.payload_len:
+        raise RecordError(f"payload is {got} bytes, header says {header.payload_len} (truncated?)")
+    h = xxhash.xxh3_128()
+    for v in views:
+        h.update(v)
+    if h.digest() != header.checksum:
+        raise RecordError("payload checksum mismatch")
+    return views
+
+
 def decode(
     record: bytes | memoryview,
     *,
@@ -228,36 +242,68 @@ def decode(
     ``expect_key`` guards against a record filed under the wrong key (a misplaced file).
     """
     header = decode_header(record, max_record_bytes=max_record_bytes)
+    _check_key(header, expect_key)
+    return header, _materialize(header, [verify_payload(header, record)], out, alloc)
+
+
+def decode_pieces(
+    head: bytes | memoryview,
+    pieces: Sequence[bytes | memoryview],
+    *,
+    expect_key: bytes | None = None,
+    out: torch.Tensor | None = None,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    max_record_bytes: int = 1 << 30,
+) -> tuple[RecordHeader, torch.Tensor]:
+    """:func:`decode` for a record kept as its header and its payload in pieces, copied
+    straight into the destination (no joined copy of the payload)."""
+    header = decode_header(head, max_record_bytes=max_record_bytes,
+                           record_len=len(memoryview(head).cast("B")) + sum(len(memoryview(p).cast("B")) for p in pieces))
+    _check_key(header, expect_key)
+    return header, _materialize(header, verify_pieces(header, pieces), out, alloc)
+
+
+def _check_key(header: RecordHeader, expect_key: bytes | None) -> None:
     if expect_key is not None and header.key != expect_key:
         raise RecordError("record key does not match the key it was looked up by")
-    payload = verify_payload(header, record)
+
+
+def _materialize(header: RecordHeader, pieces: list[memoryview], out: torch.Tensor | None,
+                 alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None) -> torch.Tensor:
+    """Write a verified payload (in pieces) into ``out`` or a new tensor."""
     if header.codec == CODEC_ZSTD:
+        compressed = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         try:
-            planes = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_len)
+            planes = zstandard.ZstdDecompressor().decompress(compressed, max_output_size=header.raw_len)
         except zstandard.ZstdError as exc:
             raise RecordError(f"zstd payload does not decompress: {exc}") from exc
         if len(planes) != header.raw_len:
             raise RecordError("decompressed length does not match the header")
         itemsize = DTYPE_INFO[DTYPE_CODES[header.dtype_name]][1]
-        raw = _unshuffle(np.frombuffer(planes, dtype=np.uint8), itemsize)
-    else:
-        raw = np.frombuffer(payload, dtype=np.uint8)
+        pieces = [memoryview(_unshuffle(np.frombuffer(planes, dtype=np.uint8), itemsize))]
     import torch
 
     if out is None:
         out = alloc(header.shape, header.dtype) if alloc else torch.empty(header.shape, dtype=header.dtype)
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
-    # numpy copy: the source may be a read-only view (an LMDB map), which torch cannot wrap.
+    # numpy copies: a source may be a read-only view (an LMDB map), which torch cannot wrap.
     if out.device.type == "cpu" and out.is_contiguous():
-        np.copyto(out.view(torch.uint8).reshape(-1).numpy(), raw)
-        return header, out
+        dst = out.view(torch.uint8).reshape(-1).numpy()
+        at = 0
+        for piece in pieces:
+            n = len(piece)
+            np.copyto(dst[at : at + n], np.frombuffer(piece, dtype=np.uint8))
+            at += n
+        return out
+    raw = np.frombuffer(pieces[0] if len(pieces) == 1 else b"".join(pieces), dtype=np.uint8)
     if out.device.type == "cpu" and out.dim() and out.stride(-1) == 1:
         # A strided CPU slice (e.g. one chunk of a bigger KV tensor along the token axis):
         # copy straight into it, with no temporary tensor. Viewing the last dimension as bytes
         # needs it contiguous, which a slice along an outer axis keeps.
         dst = out.view(torch.uint8).numpy()
         np.copyto(dst, raw.reshape(dst.shape))
-        return header, out
-    out.copy_(decode(record, max_record_bytes=max_record_bytes)[1])
-    return header, out
+        return out
+    tmp = torch.from_numpy(raw.copy()).view(header.dtype).reshape(header.shape)
+    out.copy_(tmp)
+    return out

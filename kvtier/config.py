@@ -45,6 +45,13 @@ class CacheConfig:
     commit_bytes: int | str = "256M"
     max_record_bytes: int | str = "1G"
     close_timeout_s: float = 30.0
+    # The shared remote tier (see docs/scale-out.md): a redis://, rediss:// or
+    # redis+cluster:// address, or None for none.
+    remote: str | None = None
+    remote_password: str | None = None
+    remote_timeout_s: float = 0.5
+    remote_part_bytes: int | str = "4M"
+    remote_queue_bytes: int | str = "256M"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,8 +104,27 @@ class CacheConfig:
         if isinstance(self.close_timeout_s, bool) or not isinstance(self.close_timeout_s, int | float) \
                 or not self.close_timeout_s > 0:
             raise ConfigError(f"close_timeout_s: must be a number of seconds above 0, got {self.close_timeout_s!r}")
+        self._validate_remote()
         if self.max_record_bytes < 4096:
             raise ConfigError("max_record_bytes: must be at least 4K")
+
+    def _validate_remote(self) -> None:
+        self.remote_part_bytes = parse_size(self.remote_part_bytes, "remote_part_bytes")
+        self.remote_queue_bytes = parse_size(self.remote_queue_bytes, "remote_queue_bytes")
+        if self.remote_password is not None and not isinstance(self.remote_password, str):
+            raise ConfigError("remote_password: must be a string")
+        if isinstance(self.remote_timeout_s, bool) or not isinstance(self.remote_timeout_s, int | float) \
+                or not 0 < self.remote_timeout_s <= 60:
+            raise ConfigError(f"remote_timeout_s: must be seconds above 0 and at most 60, got {self.remote_timeout_s!r}")
+        if not (64 << 10) <= self.remote_part_bytes <= (512 << 20):
+            raise ConfigError("remote_part_bytes: must be from 64K to 512M (Redis refuses values "
+                              "over its proto-max-bulk-len, 512M by default)")
+        if self.remote is not None:
+            from kvtier.remote.address import parse_remote
+
+            parse_remote(self.remote, self.remote_password)  # a clear error now, not at first use
+            if self.remote_queue_bytes == 0:
+                raise ConfigError("remote_queue_bytes: must be above 0 when remote is set, e.g. 256M")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

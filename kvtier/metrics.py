@@ -24,6 +24,14 @@ class Counters:
     evicted_disk: int = 0
     evicted_disk_bytes: int = 0
     orphans_removed: int = 0  # payloads no index entry named (a killed writer's leftovers)
+    # the remote tier (docs/scale-out.md)
+    remote_hits: int = 0
+    remote_saves: int = 0  # records uploaded
+    remote_bytes_saved: int = 0
+    remote_dropped: int = 0  # uploads not done: queue full, server down or refusing writes
+    remote_errors: int = 0  # operations that found the server unavailable (each a miss)
+    remote_corrupt: int = 0  # damaged remote records (removed; a miss)
+    remote_incomplete: int = 0  # chunks whose parts the server had evicted (a miss)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

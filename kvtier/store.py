@@ -30,6 +30,7 @@ from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
 from kvtier.host_tier import HostTier
 from kvtier.metrics import Counters
+from kvtier.remote import RemoteTier, open_remote
 
 log = logging.getLogger("kvtier")
 
@@ -62,6 +63,7 @@ class _Pending:
     group: bytes | None
     parent: bytes | None
     head: bytes | None
+    from_remote: bool = False  # promoted from the remote tier: not uploaded back
 
     @property
     def nbytes(self) -> int:
@@ -108,8 +110,11 @@ class ChunkStore:
         self._warn = _RateLimitedLog()
         self._lock, self.backend = open_shared(config, readonly=readonly)
         self.host = HostTier(config.host_bytes)
-        # Saves and host-tier loads use pooled buffers: what the queue and the host tier hold.
-        self.pool = BufferPool(int(config.host_bytes) + int(config.write_queue_bytes))
+        self.remote: RemoteTier | None = open_remote(config, self.counters, writer=not readonly)
+        # Saves and host-tier loads use pooled buffers: what the queue and the host tier hold
+        # (and the remote tier's upload queue, which holds them until uploaded).
+        self.pool = BufferPool(int(config.host_bytes) + int(config.write_queue_bytes)
+                               + (int(config.remote_queue_bytes) if self.remote else 0))
         self._pending: dict[bytes, _Pending] = {}
         self._queue: list[_Pending] = []
         self._queued_bytes = 0
@@ -136,6 +141,8 @@ class ChunkStore:
         self.counters._lock = threading.Lock()
         self.host._lock = threading.Lock()
         self.pool.after_fork_in_child()
+        # the parent's sockets and upload thread are not ours: connect afresh
+        self.remote = open_remote(self.config, self.counters, writer=not self.readonly)
         self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         if not self.readonly:
@@ -156,7 +163,7 @@ class ChunkStore:
 
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
             num_tokens: int, group: bytes | None = None, parent: bytes | None = None,
-            head: bytes | None = None) -> bool:
+            head: bytes | None = None, _from_remote: bool = False) -> bool:
         """Queue a chunk for the persistent tier (and keep it in the host tier).
 
         ``parent`` is the key of the chunk this one extends (None for a chain's first chunk),
@@ -168,7 +175,8 @@ class ChunkStore:
         """
         if self.readonly:
             raise RuntimeError("store opened read-only")
-        item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head)
+        item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head,
+                        _from_remote)
         with self._cv:
             if self._closed or key in self._pending:
                 return not self._closed
@@ -243,6 +251,10 @@ class ChunkStore:
                 level=self.config.compression_level)
             items.append(PutItem(p.key, header, payload, p.namespace_id, p.group, p.parent,
                                  p.token_start, p.num_tokens, p.head))
+        if self.remote is not None:  # write-behind to the shared tier, from the same bytes
+            for p, item in zip(batch, items, strict=True):
+                if not p.from_remote:
+                    self.remote.enqueue(item.key, item.header, item.payload)
         try:
             res = self.backend.put_many(items)
         except Exception as exc:  # the index commit failed (disk full, I/O, ...)
@@ -309,6 +321,8 @@ class ChunkStore:
             return 0
         if n < len(spans) and spans[n][1] in self._pending:  # queued, not yet stored: counts too
             n += self.count_present_prefix([k for _, k in spans[n:]])
+        if n < len(spans) and self.remote is not None:
+            n += self.remote.count_present_prefix([k for _, k in spans[n:]])
         return n
 
     def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -351,11 +365,45 @@ class ChunkStore:
         except Exception as exc:
             return self._failed(Outcome.IO_ERROR, key, exc)
         if t is None:
+            if self.remote is not None:
+                return self._load_from_remote(key, out)
             self.counters.add(misses=1)
             return Loaded(Outcome.MISS)
         self.counters.add(hits_disk=1, bytes_loaded=t.numel() * t.element_size())
         self._touch(key)
         if out is None:
+            self.counters.add(evicted_host=self.host.put(key, t))
+        return Loaded(Outcome.HIT, t)
+
+    def _load_from_remote(self, key: bytes, out: torch.Tensor | None) -> Loaded:
+        """The remote tier's copy, verified like any record; a hit is promoted to the host
+        tier and the local disk (not uploaded back)."""
+        assert self.remote is not None
+        rec = self.remote.fetch(key)
+        if rec is None:
+            self.counters.add(misses=1)
+            return Loaded(Outcome.MISS)
+        try:
+            header, t = codec.decode_pieces(rec.header, rec.pieces, expect_key=key, out=out,
+                                            alloc=self._load_buffer,
+                                            max_record_bytes=self.config.max_record_bytes)
+        except IncompatibleRecord as exc:
+            return self._failed(Outcome.INCOMPATIBLE, key, exc)
+        except RecordTooLarge as exc:
+            return self._failed(Outcome.TOO_LARGE, key, exc)
+        except RecordError as exc:
+            self.counters.add(remote_corrupt=1)
+            self.remote.delete(key)
+            return self._failed(Outcome.CORRUPT, key, exc)
+        self.counters.add(remote_hits=1, bytes_loaded=t.numel() * t.element_size())
+        if not self.readonly:
+            owned = t if out is None else self.buffer(tuple(t.shape), t.dtype)
+            if owned is not None:
+                if owned is not t:
+                    owned.copy_(t)
+                self.put(key, owned, namespace_id=header.namespace_id, token_start=header.token_start,
+                         num_tokens=header.num_tokens, _from_remote=True)
+        elif out is None:
             self.counters.add(evicted_host=self.host.put(key, t))
         return Loaded(Outcome.HIT, t)
 
@@ -481,6 +529,8 @@ class ChunkStore:
         for t in threads:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if self.remote is not None:  # uploads what the local writer queued for it, then disconnects
+            self.remote.close(max(0.0, deadline - time.monotonic()))
         if not self.readonly and not self._writer.is_alive() and not self._inflight:
             try:  # a clean close: nothing of ours is left unpublished
                 self.backend.index.unregister_writer()

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from kvtier.backends import open_shared
 from kvtier.config import CacheConfig
+from kvtier.metrics import Counters
+from kvtier.remote import open_remote
 
 log = logging.getLogger("kvtier")
 
@@ -21,6 +23,8 @@ class StoreView:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self._lock, self.backend = open_shared(config)
+        self.counters = Counters()  # the remote tier's (lookups only: no uploads from here)
+        self.remote = open_remote(config, self.counters, writer=False)
         self.lookup_errors = 0
         self._closed = False
 
@@ -29,11 +33,14 @@ class StoreView:
         ``head`` the store holds (0 if the index cannot be read). Reads the chain's chunks
         where the index keeps them side by side: a few pages per prompt, also when cold."""
         try:
-            return self.backend.count_present_chain(head, spans)
+            n = self.backend.count_present_chain(head, spans)
         except Exception as exc:
             self.lookup_errors += 1
             log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
             return 0
+        if n < len(spans) and self.remote is not None:  # the shared tier may hold the rest
+            n += self.remote.count_present_prefix([k for _, k in spans[n:]])
+        return n
 
     def lease(self, keys: Sequence[bytes], seconds: float) -> bool:
         """Keep ``keys``, and the chunks they extend, from eviction for ``seconds`` (the
@@ -52,5 +59,7 @@ class StoreView:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.remote is not None:
+                self.remote.close()
             self.backend.close()
             self._lock.release()

@@ -1,0 +1,320 @@
+"""The remote tier: chunk records on a Redis (or Valkey) server or cluster, shared by servers.
+
+A chunk is stored as a small manifest value and its payload in parts::
+
+    kvt:{<key hex>}                   manifest: b"KVTR" | version u8 | flags u8 | parts u16
+                                      | payload_len u64 | write_id 8B | record header | xxh3_64
+    kvt:{<key hex>}:<write_id>:<i>    payload part i (``remote_part_bytes`` each)
+
+The ``{...}`` hash tag keeps a chunk's values on one cluster node, so one pipeline writes
+and reads them. Parts are written before the manifest, so a chunk is visible only once all
+of its parts are; a write id names each writer's parts, so two writers of one chunk never
+mix. The record header and payload are kvtier's self-verifying record: a damaged,
+truncated or mixed value fails its checksum and is a miss, never wrong KV. The server's
+own eviction (``maxmemory`` with an LRU policy) is the remote budget: a manifest whose parts
+were evicted is a miss too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.codec import MAX_HEADER_BYTES
+from kvtier.errors import RecordError
+from kvtier.metrics import Counters
+from kvtier.remote.address import parse_remote
+from kvtier.remote.nodes import NodeUnavailable, RedisNodes
+
+log = logging.getLogger("kvtier")
+
+_MANIFEST = struct.Struct("<4sBBHQ8s")
+_MAGIC = b"KVTR"
+_VERSION = 1
+_SUM = struct.Struct("<Q")
+WRITE_BATCH_BYTES = 64 << 20  # one pipeline per node per batch of writes
+
+
+def manifest_name(key: bytes) -> str:
+    return f"kvt:{{{key.hex()}}}"
+
+
+def part_name(key: bytes, write_id: bytes, i: int) -> str:
+    return f"kvt:{{{key.hex()}}}:{write_id.hex()}:{i}"
+
+
+def pack_manifest(header: bytes, payload_len: int, parts: int, write_id: bytes) -> bytes:
+    body = _MANIFEST.pack(_MAGIC, _VERSION, 0, parts, payload_len, write_id) + header
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def unpack_manifest(value: bytes) -> tuple[bytes, int, int, bytes]:
+    """``(record header, payload_len, parts, write_id)``; :class:`RecordError` if damaged."""
+    if len(value) < _MANIFEST.size + _SUM.size or len(value) > _MANIFEST.size + MAX_HEADER_BYTES + _SUM.size:
+        raise RecordError(f"remote manifest of {len(value)} bytes is malformed")
+    body, (stored,) = value[: -_SUM.size], _SUM.unpack_from(value, len(value) - _SUM.size)
+    if xxhash.xxh3_64_intdigest(body) != stored:
+        raise RecordError("remote manifest checksum mismatch")
+    magic, version, _flags, parts, payload_len, write_id = _MANIFEST.unpack_from(body)
+    if magic != _MAGIC or version != _VERSION:
+        raise RecordError("not a kvtier remote manifest (or another version of it)")
+    if parts < 1:
+        raise RecordError("remote manifest names no parts")
+    return bytes(body[_MANIFEST.size:]), payload_len, parts, write_id
+
+
+@dataclass
+class RemoteRecord:
+    """A record read from the remote tier, not yet verified (the codec does that)."""
+
+    header: bytes
+    pieces: list[bytes]
+
+
+@dataclass
+class _Queued:
+    key: bytes
+    header: bytes
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+
+class RemoteTier:
+    """Lookups, loads and write-behind saves against the remote tier; never raises a
+    network fault into the caller: an unavailable server is a miss and a counter."""
+
+    def __init__(self, *, url: str, password: str | None, timeout_s: float, part_bytes: int,
+                 queue_bytes: int, counters: Counters, connections: int = 8,
+                 writer: bool = True) -> None:
+        self.address = parse_remote(url, password)
+        self.nodes = RedisNodes(self.address, timeout_s, max(2, connections))
+        self.part_bytes = part_bytes
+        self.queue_bytes = queue_bytes
+        self.counters = counters
+        self._queue: list[_Queued] = []
+        self._queued_bytes = 0
+        self._inflight = False
+        self._cv = threading.Condition()
+        self._closed = False
+        self._last_warn: dict[str, float] = {}
+        self._writer: threading.Thread | None = None
+        if writer:
+            self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer",
+                                            daemon=True)
+            self._writer.start()
+
+    def _warn(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_warn.get(kind, -1e9) >= 30.0:
+            self._last_warn[kind] = now
+            log.warning(msg, *args)
+
+    def _unavailable(self, what: str, exc: Exception) -> None:
+        self.counters.add(remote_errors=1)
+        self._warn("down", "kvtier: remote tier %s unavailable for %s (%s); treating as misses",
+                   self.address.describe(), what, exc)
+
+    # -- lookups ------------------------------------------------------------------------
+    def count_present_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the remote tier holds (one pipelined round trip per node)."""
+        if not keys:
+            return 0
+        names = [manifest_name(k) for k in keys]
+        present = [False] * len(keys)
+        try:
+            for node, client, idx in self.nodes.route(names):
+                replies = self.nodes.run(node, client, lambda p, idx=idx: [p.exists(names[i]) for i in idx])
+                for i, r in zip(idx, replies, strict=True):
+                    present[i] = r == 1
+        except NodeUnavailable as exc:
+            self._unavailable("a lookup", exc)
+        n = 0
+        while n < len(keys) and present[n]:
+            n += 1
+        return n
+
+    # -- loads ---------------------------------------------------------------------------
+    def fetch(self, key: bytes) -> RemoteRecord | None:
+        """The chunk's record, or None (not there, parts evicted, damaged manifest, or the
+        server unavailable)."""
+        return self.fetch_many([key])[0]
+
+    def fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
+        """Records for ``keys`` in two pipelined round trips per node (manifests, then parts),
+        not yet verified: pass them to :func:`kvtier.codec.decode_pieces`, and a record that
+        fails there to :meth:`discard_corrupt`."""
+        out: list[RemoteRecord | None] = [None] * len(keys)
+        names = [manifest_name(k) for k in keys]
+        try:
+            routes = self.nodes.route(names)
+        except NodeUnavailable as exc:
+            self._unavailable("a load", exc)
+            return out
+        for node, client, idx in routes:
+            try:
+                manifests = self.nodes.run(node, client, lambda p, idx=idx: [p.get(names[i]) for i in idx])
+                wanted: list[tuple[int, bytes, list[str]]] = []
+                for i, value in zip(idx, manifests, strict=True):
+                    if not isinstance(value, bytes):
+                        continue  # absent, or the command failed on the server: a miss
+                    try:
+                        header, _, parts, wid = unpack_manifest(value)
+                    except RecordError as exc:
+                        self.discard_corrupt(keys[i], exc)
+                        continue
+                    wanted.append((i, header, [part_name(keys[i], wid, j) for j in range(parts)]))
+                if not wanted:
+                    continue
+                replies = self.nodes.run(node, client, lambda p, w=wanted: [p.get(n) for _, _, ns in w for n in ns])
+            except NodeUnavailable as exc:
+                self._unavailable("a load", exc)
+                continue
+            at = 0
+            for i, header, part_names in wanted:
+                pieces = replies[at : at + len(part_names)]
+                at += len(part_names)
+                if all(isinstance(p, bytes) for p in pieces):
+                    out[i] = RemoteRecord(header, pieces)
+                else:  # a part was evicted: the chunk is gone (hide what is left of it)
+                    self.counters.add(remote_incomplete=1)
+                    self.delete(keys[i])
+        return out
+
+    def discard_corrupt(self, key: bytes, why: Exception) -> None:
+        """A remote record proven damaged: count it and delete it (a miss from now on)."""
+        self.counters.add(remote_corrupt=1)
+        self._warn("corrupt", "kvtier: corrupt remote record %s (%s); removed, will recompute",
+                   key.hex()[:16], why)
+        self.delete(key)
+
+    def delete(self, key: bytes) -> None:
+        """Hide a chunk (its manifest); its parts are left to the server's eviction (another
+        writer's parts may be in use under a newer manifest)."""
+        name = manifest_name(key)
+        try:
+            for node, client, _ in self.nodes.route([name]):
+                self.nodes.run(node, client, lambda p: p.delete(name))
+        except NodeUnavailable as exc:
+            self._unavailable("a delete", exc)
+
+    # -- saves ----------------------------------------------------------------------------
+    def store_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> int:
+        """Store records ``(key, header, payload)`` now; skip those already there. Returns how
+        many were written. Failures are counted, never raised."""
+        if not items:
+            return 0
+        names = [manifest_name(k) for k, _, _ in items]
+        written = 0
+        try:
+            routes = self.nodes.route(names)
+        except NodeUnavailable as exc:
+            self._unavailable("a save", exc)
+            self.counters.add(remote_dropped=len(items))
+            return 0
+        for node, client, idx in routes:
+            try:
+                there = self.nodes.run(node, client, lambda p, idx=idx: [p.exists(names[i]) for i in idx])
+                todo = [i for i, r in zip(idx, there, strict=True) if r != 1]
+                if not todo:
+                    continue
+                replies = self.nodes.run(node, client, lambda p, todo=todo: [self._add_sets(p, items[i]) for i in todo])
+            except NodeUnavailable as exc:
+                self._unavailable("a save", exc)
+                self.counters.add(remote_dropped=len(idx))
+                continue
+            refused = [r for r in replies if isinstance(r, Exception)]
+            if refused:
+                # typically "OOM command not allowed": maxmemory without an eviction policy
+                self.counters.add(remote_dropped=len(todo))
+                self._warn("refused", "kvtier: remote tier %s refused writes (%s); set maxmemory-policy "
+                           "to allkeys-lru so the server evicts instead", self.address.describe(), refused[0])
+                continue
+            written += len(todo)
+            self.counters.add(remote_saves=len(todo),
+                              remote_bytes_saved=sum(len(items[i][1]) + items[i][2].nbytes for i in todo))
+        return written
+
+    def _add_sets(self, pipe: object, item: tuple[bytes, bytes, memoryview]) -> None:
+        key, header, payload = item
+        payload = memoryview(payload).cast("B")
+        wid = os.urandom(8)
+        pb = self.part_bytes
+        parts = max(1, -(-payload.nbytes // pb))
+        for i in range(parts):
+            pipe.set(part_name(key, wid, i), payload[i * pb : (i + 1) * pb])
+        pipe.set(manifest_name(key), pack_manifest(header, payload.nbytes, parts, wid))  # last: visible
+
+    def enqueue(self, key: bytes, header: bytes, payload: memoryview) -> bool:
+        """Write-behind: queue a record for the remote tier. False (counted) if the queue's
+        byte budget is spent or the tier is closed; the caller never waits."""
+        item = _Queued(key, header, payload)
+        with self._cv:
+            if self._closed or self._writer is None:
+                return False
+            if self._queued_bytes + item.nbytes > self.queue_bytes:
+                self.counters.add(remote_dropped=1)
+                self._warn("queue", "kvtier: remote write queue full (%d bytes); not uploading some chunks",
+                           self.queue_bytes)
+                return False
+            self._queue.append(item)
+            self._queued_bytes += item.nbytes
+            self._cv.notify_all()
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait(1.0)
+                if not self._queue:
+                    return
+                batch, size = [], 0
+                while self._queue and (not batch or size + self._queue[0].nbytes <= WRITE_BATCH_BYTES):
+                    item = self._queue.pop(0)
+                    batch.append(item)
+                    size += item.nbytes
+                self._inflight = True
+            try:
+                self.store_many([(q.key, q.header, q.payload) for q in batch])
+            except Exception as exc:  # never let the writer die
+                self.counters.add(remote_errors=1, remote_dropped=len(batch))
+                self._warn("writer", "kvtier: remote writer error: %s", exc)
+            finally:
+                with self._cv:
+                    self._queued_bytes -= size
+                    self._inflight = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload is done (or dropped). True if drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Upload what is queued (within ``timeout``), then close the connections."""
+        drained = self.flush(timeout)
+        with self._cv:
+            if not drained:
+                self.counters.add(remote_dropped=len(self._queue))
+                self._queue.clear()
+            self._closed = True
+            self._cv.notify_all()
+        if self._writer is not None:
+            self._writer.join(max(0.0, timeout))
+        self.nodes.close()
