@@ -24,7 +24,7 @@ BACKOFF_MAX_S = 15.0
 REFRESH_EVERY_S = 2.0
 
 
-def _connection_classes() -> tuple[type, type]:
+def zero_copy_connection_classes() -> tuple[type, type]:
     """Connections that send memoryviews without copying them (redis-py's hiredis packer turns
     every argument into bytes first: two extra copies of each 32 MiB value)."""
     from redis._parsers import Encoder
@@ -74,7 +74,7 @@ class RedisNodes:
         from redis.retry import Retry
 
         self.address = address
-        plain, tls = _connection_classes()
+        plain, tls = zero_copy_connection_classes()
         self._kwargs: dict[str, Any] = dict(
             username=address.username, password=address.password,
             socket_timeout=timeout_s, socket_connect_timeout=timeout_s,

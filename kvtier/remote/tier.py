@@ -17,6 +17,7 @@ were evicted is a miss too.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import struct
@@ -40,6 +41,20 @@ _MAGIC = b"KVTR"
 _VERSION = 1
 _SUM = struct.Struct("<Q")
 WRITE_BATCH_BYTES = 64 << 20  # one pipeline per node per batch of writes
+# Which of KEYS exist, as a string of "0"/"1": a 512-chunk lookup in one command and a
+# 512-byte reply. Its keys may lie in several slots of one cluster node (Redis 7 flag).
+_EXISTS_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
+local r = {}
+for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end
+return table.concat(r)
+"""
+_EXISTS_SHA = hashlib.sha1(_EXISTS_LUA.encode()).hexdigest()
+
+
+def _is_noscript(reply: object) -> bool:
+    from redis.exceptions import NoScriptError
+
+    return isinstance(reply, NoScriptError)
 
 
 def manifest_name(key: bytes) -> str:
@@ -107,6 +122,7 @@ class RemoteTier:
         self._cv = threading.Condition()
         self._closed = False
         self._last_warn: dict[str, float] = {}
+        self._scripts = True  # lookups by script until a server refuses one
         self._writer: threading.Thread | None = None
         if writer:
             self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer",
@@ -126,22 +142,36 @@ class RemoteTier:
 
     # -- lookups ------------------------------------------------------------------------
     def count_present_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the remote tier holds (one pipelined round trip per node)."""
+        """How many leading ``keys`` the remote tier holds: one command per node (a read-only
+        script that checks them all), or one pipeline of EXISTS where scripts are refused."""
         if not keys:
             return 0
         names = [manifest_name(k) for k in keys]
         present = [False] * len(keys)
         try:
             for node, client, idx in self.nodes.route(names):
-                replies = self.nodes.run(node, client, lambda p, idx=idx: [p.exists(names[i]) for i in idx])
-                for i, r in zip(idx, replies, strict=True):
-                    present[i] = r == 1
+                for i, there in zip(idx, self._exists(node, client, [names[i] for i in idx]), strict=True):
+                    present[i] = there
         except NodeUnavailable as exc:
             self._unavailable("a lookup", exc)
         n = 0
         while n < len(keys) and present[n]:
             n += 1
         return n
+
+    def _exists(self, node: str, client: object, names: list[str]) -> list[bool]:
+        if self._scripts:
+            reply = self.nodes.run(node, client, lambda p: p.evalsha(_EXISTS_SHA, len(names), *names))[0]
+            if _is_noscript(reply):  # first use on this server (or after a restart): send it
+                reply = self.nodes.run(node, client, lambda p: p.eval(_EXISTS_LUA, len(names), *names))[0]
+            if isinstance(reply, bytes) and len(reply) == len(names):
+                return [c == 0x31 for c in reply]
+            # scripts refused (disabled, or a server older than Redis 7): EXISTS from now on
+            self._scripts = False
+            log.info("kvtier: remote tier %s runs no lookup script (%s); using pipelined EXISTS",
+                     self.address.describe(), reply)
+        replies = self.nodes.run(node, client, lambda p: [p.exists(n) for n in names])
+        return [r == 1 for r in replies]
 
     # -- loads ---------------------------------------------------------------------------
     def fetch(self, key: bytes) -> RemoteRecord | None:
