@@ -193,7 +193,8 @@ class ChunkStore:
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued save is committed (or dropped). True if drained."""
+        """Wait until every queued save is committed (or dropped), and uploaded to the remote
+        tier if there is one. True if drained."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._queue or self._inflight:
@@ -201,6 +202,8 @@ class ChunkStore:
                 if left is not None and left <= 0:
                     return False
                 self._cv.wait(left)
+        if self.remote is not None:
+            return self.remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return True
 
     def _write_loop(self) -> None:

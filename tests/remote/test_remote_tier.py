@@ -1,0 +1,196 @@
+"""The remote tier on a real redis-server: sharing, faults, damage, budgets, configuration."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from remotehelpers import CHUNK, kv_for, manifests, open_cache, tokens, wait_for
+
+from kvtier import CacheConfig, ConfigError
+from kvtier.remote.address import parse_remote
+from kvtier.testing.redis_server import LocalRedis
+
+SEQ = tokens(1, 4 * CHUNK + 8)  # four chunks and a tail
+
+
+def test_a_second_server_hits_what_the_first_stored_and_promotes_it(tmp_path: Path, redis_server: LocalRedis) -> None:
+    kv = kv_for(SEQ)
+    with open_cache(tmp_path / "a", redis_server.url) as a:
+        a.save(SEQ, kv)
+        assert a.flush(30)
+        assert a.stats()["remote_saves"] == 5
+    assert len(manifests(redis_server.client())) == 5
+    with open_cache(tmp_path / "b", redis_server.url) as b:  # its own, empty local store
+        assert b.stats()["disk_records"] == 0
+        assert b.lookup(SEQ) == len(SEQ)
+        got = b.load(SEQ)
+        assert got is not None and torch.equal(got, kv)
+        b.flush(30)
+        stats = b.stats()
+        assert stats["remote_hits"] == 5 and stats["corrupt_records"] == 0
+        assert stats["disk_records"] == 5  # promoted to the local disk
+        assert stats["remote_saves"] == 0  # and not uploaded back
+    redis_server.kill()
+    with open_cache(tmp_path / "b", redis_server.url) as b:  # server gone: the local copy serves
+        assert torch.equal(b.load(SEQ), kv)
+
+
+def test_a_dead_server_is_misses_and_counters_and_hits_resume_when_it_is_back(tmp_path: Path, redis_server: LocalRedis) -> None:
+    kv = kv_for(SEQ)
+    with open_cache(tmp_path / "a", redis_server.url) as a:
+        a.save(SEQ, kv)
+        a.flush(30)
+    redis_server.kill()
+    with open_cache(tmp_path / "b", redis_server.url) as b:
+        t0 = time.monotonic()
+        for _ in range(50):  # the scheduler asks every step: each answer must be quick
+            assert b.lookup(SEQ) == 0
+        assert b.load(SEQ).shape[2] == 0
+        other = tokens(2, 2 * CHUNK)
+        b.save(other, kv_for(other))  # uploads are dropped and counted, the local save stays
+        b.flush(10)
+        assert time.monotonic() - t0 < 5
+        stats = b.stats()
+        assert stats["remote_errors"] >= 1 and stats["remote_dropped"] >= 2
+        assert b.lookup(other) == len(other)  # the local tier is unaffected
+        redis_server.start()
+        redis_server.client().flushall()
+        # the KV was lost with the server; store it again from another server...
+        with open_cache(tmp_path / "a2", redis_server.url) as a:
+            a.save(SEQ, kv)
+            a.flush(30)
+        # ... and the first one reconnects by itself once its back-off ends
+        assert wait_for(lambda: b.lookup(SEQ) == len(SEQ), timeout=20)
+        assert torch.equal(b.load(SEQ), kv)
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate_part", "flip_manifest", "drop_part"])
+def test_damaged_values_in_the_server_are_misses(tmp_path: Path, redis_server: LocalRedis, damage: str) -> None:
+    seq = tokens(3, CHUNK)  # one chunk: 32 KiB of float32 KV (one 64 KiB part)
+    kv = kv_for(seq)
+    with open_cache(tmp_path / "a", redis_server.url) as a:
+        a.save(seq, kv)
+        a.flush(30)
+    c = redis_server.client()
+    (manifest,) = manifests(c)
+    (part,) = [k for k in c.scan_iter(match="kvt:*") if k != manifest]
+    if damage == "flip_payload":
+        v = bytearray(c.get(part))
+        v[1000] ^= 0x10
+        c.set(part, bytes(v))
+    elif damage == "truncate_part":
+        c.set(part, c.get(part)[:-100])
+    elif damage == "flip_manifest":
+        v = bytearray(c.get(manifest))
+        v[20] ^= 0x01
+        c.set(manifest, bytes(v))
+    else:
+        c.delete(part)  # the server evicted a part
+    with open_cache(tmp_path / "b", redis_server.url) as b:
+        assert b.load(seq).shape[2] == 0  # a miss: never wrong KV, never an exception
+        stats = b.stats()
+        if damage in ("flip_payload", "truncate_part", "flip_manifest"):
+            assert stats["remote_corrupt"] == 1
+        else:
+            assert stats["remote_incomplete"] == 1
+        assert stats["remote_hits"] == 0
+    assert c.get(manifest) is None  # hidden from every server from now on
+
+
+def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: Path, redis_server: LocalRedis) -> None:
+    c = redis_server.client()
+    c.config_set("maxmemory-policy", "noeviction")
+    c.config_set("maxmemory", str(c.info("memory")["used_memory"] + 10_000))
+    try:
+        with open_cache(tmp_path / "a", redis_server.url) as a:
+            a.save(SEQ, kv_for(SEQ))
+            assert a.flush(30)
+            stats = a.stats()
+            assert stats["remote_dropped"] == 5 and stats["remote_saves"] == 0
+            assert stats["saves_committed"] == 5  # the local tier has them all
+    finally:
+        c.config_set("maxmemory", "512mb")
+        c.config_set("maxmemory-policy", "allkeys-lru")
+
+
+def test_the_upload_queue_has_a_byte_budget(tmp_path: Path, redis_server: LocalRedis) -> None:
+    seqs = [tokens(10 + i, 2 * CHUNK) for i in range(20)]
+    redis_server.client().client_pause(3000)  # the server stalls: uploads pile up
+    with open_cache(tmp_path / "a", redis_server.url, remote_queue_bytes="100K", remote_timeout_s=5) as a:
+        for s in seqs:
+            a.save(s, kv_for(s))
+        a.flush(30)
+        stats = a.stats()
+    assert stats["remote_dropped"] > 0  # 40 chunks of 32 KiB do not fit in 100 KiB
+    assert stats["remote_saves"] + stats["remote_dropped"] == 40
+    assert stats["saves_committed"] == 40
+
+
+def test_password_in_the_url_or_a_setting(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = LocalRedis(tmp_path_factory.mktemp("redis-auth"), password="s3cret")
+    try:
+        bare = server.url.replace(":s3cret@", "")
+        kv = kv_for(SEQ)
+        with open_cache(tmp_path / "a", bare, remote_password="s3cret") as a:
+            a.save(SEQ, kv)
+            a.flush(30)
+            assert a.stats()["remote_saves"] == 5
+        with open_cache(tmp_path / "b", server.url) as b:
+            assert torch.equal(b.load(SEQ), kv)
+        with open_cache(tmp_path / "c", bare, remote_password="wrong") as c:
+            assert c.load(SEQ).shape[2] == 0 and c.stats()["remote_errors"] >= 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("localhost:6379", "not a server address"),
+    ("http://h:1", "unknown scheme"),
+    ("redis://h", "is not HOST:PORT"),
+    ("redis://h:99999", "is not HOST:PORT"),
+    ("redis://h:1/x", "must be a number"),
+    ("redis://a:1,b:2", "several hosts"),
+    ("redis+cluster://a:1/2", "only database 0"),
+])
+def test_bad_addresses_are_refused_with_the_accepted_forms(tmp_path: Path, url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        CacheConfig(path=tmp_path, remote=url)
+
+
+def test_address_forms() -> None:
+    a = parse_remote("rediss://user:p%40ss@cache.internal:6380/2")
+    assert (a.nodes, a.tls, a.cluster, a.db, a.username, a.password) == (
+        (("cache.internal", 6380),), True, False, 2, "user", "p@ss")
+    assert "p@ss" not in a.describe()
+    c = parse_remote("redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
+    assert c.cluster and c.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7000))
+    with pytest.raises(ConfigError, match="give it once"):
+        parse_remote("redis://:a@h:1", password="b")
+    with pytest.raises(ConfigError, match="remote_part_bytes"):
+        CacheConfig(path=Path("/nonexistent-kvtier"), remote_part_bytes="1G")
+
+
+def test_a_hung_server_costs_one_timeout_per_back_off_not_one_per_lookup(tmp_path: Path, redis_server: LocalRedis) -> None:
+    import os
+    import signal
+
+    kv = kv_for(SEQ)
+    with open_cache(tmp_path / "a", redis_server.url, remote_timeout_s=0.3) as a:
+        a.save(SEQ, kv)
+        a.flush(30)
+        a.store.host.clear()
+        assert a.store.backend.usage()[0] == 5
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        with open_cache(tmp_path / "b", redis_server.url, remote_timeout_s=0.3) as b:
+            t0 = time.monotonic()
+            for _ in range(100):
+                assert b.lookup(SEQ) == 0
+            elapsed = time.monotonic() - t0
+            assert elapsed < 2.0, f"100 lookups against a hung server took {elapsed:.1f} s"
+            assert b.stats()["remote_errors"] >= 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
