@@ -1,14 +1,17 @@
 """Connections to the remote tier's servers: one Redis server or a Redis Cluster's primaries.
 
-Keys are routed to the node that owns them, and each node's commands go out as one pipeline
-(one round trip per node per batch). Failures stay local to a node: a node that refuses a
-connection or times out is skipped for a while (a circuit breaker with exponential back-off),
-so a dead server costs at most one timeout per back-off period, never one per request.
-redis-py reconnects by itself when the node is tried again.
+Keys are routed to the node that owns them (the cluster's slot map, read with
+``CLUSTER SLOTS`` from any node that answers), and each node's commands go out as one
+pipeline: one round trip per node per batch. Failures stay local to a node: a node that
+refuses a connection or times out is skipped for a while (a circuit breaker with exponential
+back-off), so a dead server costs at most one timeout per back-off period, never one per
+request. redis-py reconnects by itself when the node is tried again.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import logging
 import threading
 import time
@@ -25,21 +28,21 @@ REFRESH_EVERY_S = 2.0
 
 
 def zero_copy_connection_classes() -> tuple[type, type]:
-    """Connections that send memoryviews without copying them (redis-py's hiredis packer turns
-    every argument into bytes first: two extra copies of each 32 MiB value)."""
+    """Connections (plain, TLS) that send memoryviews without copying them: redis-py's hiredis
+    packer turns every argument into bytes first, two extra copies of each 32 MiB value."""
     from redis._parsers import Encoder
     from redis.connection import Connection, PythonRespSerializer, SSLConnection
 
-    def packer(conn: Any) -> PythonRespSerializer:
+    def packer() -> PythonRespSerializer:
         return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
     class ZeroCopyConnection(Connection):
-        def _construct_command_packer(self, packer_arg: Any) -> Any:  # noqa: D401
-            return packer(self)
+        def _construct_command_packer(self, packer_arg: Any) -> Any:
+            return packer()
 
     class ZeroCopySSLConnection(SSLConnection):
         def _construct_command_packer(self, packer_arg: Any) -> Any:
-            return packer(self)
+            return packer()
 
     return ZeroCopyConnection, ZeroCopySSLConnection
 
@@ -65,41 +68,42 @@ class _Breaker:
         self.backoff = BACKOFF_FIRST_S
 
 
+_Slots = tuple[list[int], list[tuple[int, int, str, int]]]  # range starts; (lo, hi, host, port)
+
+
 class RedisNodes:
     """Route keys to nodes and run one pipeline per node, isolating each node's failures."""
 
     def __init__(self, address: RemoteAddress, timeout_s: float, max_connections: int) -> None:
         import redis
         from redis.backoff import NoBackoff
+        from redis.crc import key_slot
         from redis.retry import Retry
 
         self.address = address
+        self._redis = redis
+        self._key_slot = key_slot
+        self._timeout = timeout_s
         plain, tls = zero_copy_connection_classes()
+        self._connection_class = tls if address.tls else plain
         self._kwargs: dict[str, Any] = dict(
-            username=address.username, password=address.password,
+            username=address.username, password=address.password, db=address.db,
             socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # our breaker retries, not each call
+            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again, not each call
             health_check_interval=0, max_connections=max_connections,
         )
-        self._connection_class = tls if address.tls else plain
-        self._redis = redis
         self._lock = threading.Lock()
         self._breakers: dict[str, _Breaker] = {}
-        self._single: Any = None
-        self._cluster: Any = None
+        self._clients: dict[str, Any] = {}
         self._cluster_mode = address.cluster
         self._detected = address.cluster
+        self._slots: _Slots = ([], [])
+        self._known: list[tuple[str, int]] = []
         self._refreshing = False
         self._last_refresh = 0.0
         self._single_name = "{}:{}".format(*address.nodes[0])
-        if not address.cluster:
-            host, port = address.nodes[0]
-            pool = redis.BlockingConnectionPool(
-                connection_class=self._connection_class, host=host, port=port, db=address.db,
-                timeout=timeout_s, **self._kwargs)
-            self._single = redis.Redis(connection_pool=pool)
 
-    # -- topology -------------------------------------------------------------------
+    # -- nodes ------------------------------------------------------------------------
     def _breaker(self, name: str) -> _Breaker:
         with self._lock:
             b = self._breakers.get(name)
@@ -107,30 +111,60 @@ class RedisNodes:
                 b = self._breakers[name] = _Breaker()
             return b
 
-    def _ensure_cluster(self) -> Any:
-        if self._cluster is None:
-            from redis.cluster import ClusterNode, RedisCluster
+    def _client(self, host: str, port: int) -> Any:
+        """One node's client, with its own bounded connection pool; made once per node."""
+        name = f"{host}:{port}"
+        with self._lock:
+            c = self._clients.get(name)
+            if c is None:
+                pool = self._redis.BlockingConnectionPool(
+                    connection_class=self._connection_class, host=host, port=port,
+                    timeout=self._timeout, **self._kwargs)
+                c = self._clients[name] = self._redis.Redis(connection_pool=pool)
+            return c
 
-            kw = {k: v for k, v in self._kwargs.items() if k != "max_connections"}
-            self._cluster = RedisCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in self.address.nodes],
-                connection_class=self._connection_class, require_full_coverage=False,
-                max_connections=self._kwargs["max_connections"], **kw)
-        return self._cluster
-
+    # -- topology -----------------------------------------------------------------------
     def _detect(self) -> None:
         """A ``redis://`` address may name a cluster node: then route as a cluster."""
-        if self._detected:
-            return
-        info = self._single.info("cluster")
+        b = self._breaker(self._single_name)
+        if b.open_now():
+            raise NodeUnavailable(self._single_name)
+        try:
+            info = self._client(*self.address.nodes[0]).info("cluster")
+        except self._redis.RedisError as exc:
+            b.failed()
+            raise NodeUnavailable(f"{self._single_name}: {exc}") from exc
         self._detected = True
         if info.get("cluster_enabled"):
             self._cluster_mode = True
             log.info("kvtier: %s is a Redis Cluster node; routing keys by slot", self.address.describe())
 
+    def _load_slots(self) -> None:
+        """Read the slot map from the first node that answers: the seeds, then every node
+        known so far."""
+        errors = []
+        for host, port in dict.fromkeys([*self.address.nodes, *self._known]):
+            name = f"{host}:{port}"
+            if self._breaker(name).open_now():
+                continue
+            try:
+                reply = self._client(host, port).execute_command("CLUSTER SLOTS")
+            except self._redis.RedisError as exc:
+                self._breaker(name).failed()
+                errors.append(f"{name}: {exc}")
+                continue
+            ranges = []
+            for lo, hi, (h, p, *_), *_replicas in reply:  # [lo, hi, [host, port, id], replicas...]
+                ranges.append((int(lo), int(hi), (h.decode() if isinstance(h, bytes) else h) or host, int(p)))
+            ranges.sort()
+            self._slots = ([r[0] for r in ranges], ranges)
+            self._known = [(h, p) for _, _, h, p in ranges]
+            return
+        raise NodeUnavailable("no cluster node answered (" + ("; ".join(errors) or "all backing off") + ")")
+
     def _refresh_later(self) -> None:
-        """Re-read the cluster's slot map in the background (a failover moves slots)."""
-        if not self._cluster_mode or self._cluster is None:
+        """Re-read the slot map in the background (a failover moves slots to a replica)."""
+        if not self._cluster_mode:
             return
         with self._lock:
             if self._refreshing or time.monotonic() - self._last_refresh < REFRESH_EVERY_S:
@@ -140,44 +174,38 @@ class RedisNodes:
 
         def run() -> None:
             try:
-                self._cluster.nodes_manager.initialize()
-            except Exception as exc:
+                self._load_slots()
+            except NodeUnavailable as exc:
                 log.debug("kvtier: cluster slot refresh failed: %s", exc)
             finally:
                 self._refreshing = False
 
         threading.Thread(target=run, name="kvtier-redis-refresh", daemon=True).start()
 
+    def _owner(self, name: str) -> tuple[str, int] | None:
+        starts, ranges = self._slots
+        slot = self._key_slot(name.encode())
+        i = bisect.bisect_right(starts, slot) - 1
+        if i >= 0 and ranges[i][0] <= slot <= ranges[i][1]:
+            return ranges[i][2], ranges[i][3]
+        return None  # a slot no node serves
+
     def route(self, names: Sequence[str]) -> list[tuple[str, Any, list[int]]]:
-        """Group ``names`` (indexes into it) by the node that owns them: ``(node, client, idx)``.
+        """Group ``names`` (as indexes into it) by the node that owns them:
+        ``(node, client, indexes)``. Keys of a slot no node serves are left out (misses).
         Raises :class:`NodeUnavailable` when not even the topology can be read."""
-        single_name = self._single_name
         if not self._detected:
-            b = self._breaker(single_name)
-            if b.open_now():
-                raise NodeUnavailable(single_name)
-            try:
-                self._detect()
-            except self._redis.RedisError as exc:
-                b.failed()
-                raise NodeUnavailable(f"{single_name}: {exc}") from exc
+            self._detect()
         if not self._cluster_mode:
-            return [(single_name, self._single, list(range(len(names))))]
-        try:
-            rc = self._ensure_cluster()
-        except self._redis.RedisError as exc:
-            raise NodeUnavailable(f"cluster {self.address.describe()}: {exc}") from exc
-        groups: dict[str, tuple[Any, list[int]]] = {}
+            return [(self._single_name, self._client(*self.address.nodes[0]), list(range(len(names))))]
+        if not self._slots[1]:
+            self._load_slots()
+        groups: dict[tuple[str, int], list[int]] = {}
         for i, name in enumerate(names):
-            try:
-                node = rc.nodes_manager.get_node_from_slot(rc.keyslot(name))
-            except self._redis.RedisError:
-                continue  # a slot no node serves: a miss
-            g = groups.get(node.name)
-            if g is None:
-                g = groups[node.name] = (node.redis_connection or rc.get_redis_connection(node), [])
-            g[1].append(i)
-        return [(n, client, idx) for n, (client, idx) in groups.items()]
+            owner = self._owner(name)
+            if owner is not None:
+                groups.setdefault(owner, []).append(i)
+        return [(f"{h}:{p}", self._client(h, p), idx) for (h, p), idx in groups.items()]
 
     def run(self, node: str, client: Any, build: Callable[[Any], None]) -> list[Any]:
         """Run the commands ``build`` adds to a pipeline on one node, in one round trip.
@@ -196,23 +224,14 @@ class RedisNodes:
             self._refresh_later()
             raise NodeUnavailable(f"{node}: {exc}") from exc
         breaker.succeeded()
-        if any(isinstance(r, self._redis.exceptions.MovedError | self._redis.exceptions.AskError)
-               for r in replies):
-            self._refresh_later()
+        moved = (self._redis.exceptions.MovedError, self._redis.exceptions.AskError)
+        if any(isinstance(r, moved) for r in replies):
+            self._refresh_later()  # this batch's keys there are misses; the next ones route right
         return replies
 
-    def each_node(self) -> list[tuple[str, Any]]:
-        """Every node (the server, or the cluster's primaries), for maintenance commands."""
-        self.route([])
-        if not self._cluster_mode:
-            return [(self._single_name, self._single)]
-        rc = self._ensure_cluster()
-        return [(n.name, n.redis_connection or rc.get_redis_connection(n)) for n in rc.get_primaries()]
-
     def close(self) -> None:
-        for c in (self._single, self._cluster):
-            try:
-                if c is not None:
-                    c.close()
-            except Exception:  # closing sockets of a dead server: nothing to do
-                pass
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            with contextlib.suppress(Exception):  # closing sockets of a dead server
+                c.close()
