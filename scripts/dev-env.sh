@@ -12,6 +12,17 @@ VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 VENV=${KVTIER_VENV:-.venv}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.kvtier-env-stamp"
+# The remote-tier tests start real redis-server processes (a system package). Install it
+# where we can (root with apt, as on CI); else say how, and the tests say it again.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "[dev-env] installing redis-server (system package) for the remote-tier tests" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null \
+      || echo "[dev-env] could not install redis-server; the remote-tier tests will fail" >&2
+  else
+    echo "[dev-env] redis-server is missing: install it (apt-get install redis-server) for the remote-tier tests" >&2
+  fi
+fi
 want="$( (cat pyproject.toml scripts/dev-env.sh; echo "$VLLM_VERSION") | sha256sum | cut -c1-16)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0

@@ -40,16 +40,18 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    """One ``redis-server`` on 127.0.0.1."""
+    """One ``redis-server`` on 127.0.0.1 (with ``persist``, its data survives a kill)."""
 
     def __init__(self, workdir: Path, *, maxmemory: str = "512mb", port: int | None = None,
-                 password: str | None = None, cluster: bool = False) -> None:
+                 password: str | None = None, cluster: bool = False, persist: bool = False) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.password = password
         self.args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                     "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+                     "--save", "", "--dir", str(self.dir),
+                     # persist: every write logged and fsynced, so a killed server restarts with its data
+                     "--appendonly", "yes" if persist else "no", "--appendfsync", "always",
                      "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru",
                      "--logfile", str(self.dir / "redis.log")]
         if password:
