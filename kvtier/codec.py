@@ -53,6 +53,12 @@ DTYPE_INFO: dict[int, tuple[str, int]] = {
     5: ("float8_e5m2", 1),
     6: ("int8", 1),
     7: ("uint8", 1),
+    # not KV dtypes: for tensors passed through a KV pipe (kvtier.pipe)
+    8: ("int16", 2),
+    9: ("int32", 4),
+    10: ("int64", 8),
+    11: ("float64", 8),
+    12: ("bool", 1),
 }
 DTYPE_CODES = {name: code for code, (name, _) in DTYPE_INFO.items()}
 
@@ -99,7 +105,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 def _byte_view(t: torch.Tensor) -> np.ndarray:
     import torch
 
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()  # reshape first: 0-dim tensors too
 
 
 def _shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
@@ -289,7 +295,7 @@ def _materialize(header: RecordHeader, pieces: list[memoryview], out: torch.Tens
         raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
     # numpy copies: a source may be a read-only view (an LMDB map), which torch cannot wrap.
     if out.device.type == "cpu" and out.is_contiguous():
-        dst = out.view(torch.uint8).reshape(-1).numpy()
+        dst = out.reshape(-1).view(torch.uint8).numpy()
         at = 0
         for piece in pieces:
             n = len(piece)

@@ -91,6 +91,7 @@ class RemoteRecord:
 
     header: bytes
     pieces: list[bytes]
+    part_names: list[str]
 
 
 @dataclass
@@ -214,7 +215,7 @@ class RemoteTier:
                 pieces = replies[at : at + len(part_names)]
                 at += len(part_names)
                 if all(isinstance(p, bytes) for p in pieces):
-                    out[i] = RemoteRecord(header, pieces)
+                    out[i] = RemoteRecord(header, pieces, part_names)
                 else:  # a part was evicted: the chunk is gone (hide what is left of it)
                     self.counters.add(remote_incomplete=1)
                     self.delete(keys[i])
@@ -227,13 +228,14 @@ class RemoteTier:
                    key.hex()[:16], why)
         self.delete(key)
 
-    def delete(self, key: bytes) -> None:
-        """Hide a chunk (its manifest); its parts are left to the server's eviction (another
-        writer's parts may be in use under a newer manifest)."""
-        name = manifest_name(key)
+    def delete(self, key: bytes, part_names: Sequence[str] = ()) -> None:
+        """Hide a chunk (its manifest), and delete ``part_names`` (a fetched record's). Parts
+        not named are left to the server's eviction: another writer's parts may be in use
+        under a newer manifest."""
+        names = [manifest_name(key), *part_names]
         try:
-            for node, client, _ in self.nodes.route([name]):
-                self.nodes.run(node, client, lambda p: p.delete(name))
+            for node, client, _ in self.nodes.route(names[:1]):  # one hash tag: one node
+                self.nodes.run(node, client, lambda p: p.delete(*names))
         except NodeUnavailable as exc:
             self._unavailable("a delete", exc)
 

@@ -24,6 +24,8 @@ SHAPE = (2, 2, 16, 4, 8)
 def rand_tensor(dtype: torch.dtype, shape: tuple[int, ...] = SHAPE, seed: int = 0) -> torch.Tensor:
     n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    if dtype == torch.bool:
+        raw &= 1  # a bool byte holds 0 or 1
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
@@ -181,7 +183,7 @@ def test_wrong_key_and_wrong_destination_are_rejected() -> None:
 
 def test_encode_refuses_what_it_cannot_describe() -> None:
     with pytest.raises(ValueError):
-        codec.encode(torch.zeros(2, dtype=torch.float64), key=KEY, namespace_id=NS,
+        codec.encode(torch.zeros(2, dtype=torch.complex64), key=KEY, namespace_id=NS,
                      token_start=0, num_tokens=1)
     with pytest.raises(ValueError):
         codec.encode(torch.zeros(2), key=KEY[:31], namespace_id=NS, token_start=0, num_tokens=1)

@@ -1,0 +1,249 @@
+"""A KV pipe over kvtier's shared tiers: vLLM's ``KVPipeBase`` contract, keyed in a store.
+
+vLLM's (v0) disaggregated-prefill design passed KV between a prefill and a decode instance
+through a *pipe*: ``send_tensor(tensor or None)`` on one side, ``recv_tensor()`` on the
+other, first in first out, and ``close()``. Its interface notes that a platform which
+already supports key-value lookup can stand on that instead of a stream. This pipe does
+exactly that: message ``n`` of pipe ``NAME`` is stored under a key derived from
+``(NAME, n)`` in a Redis server or cluster (the remote tier's records: self-verifying,
+split into parts) or in a shared directory (one file per message, renamed into place
+when complete); two counters, the producer's head and the consumer's tail, live in the same
+store, so either side can restart and the FIFO resumes where it was. A message is deleted
+once received. Tensors may be of any dtype the record format knows (the KV dtypes, plus
+int16/32/64, float64 and bool), any shape up to 8 dimensions, on any device (received on
+``device``). ``tensor_key`` addresses a message directly instead of by order.
+
+It is not the connector: the connector shares *prefixes* by content, across any number of
+servers; a pipe hands each message from one producer to one consumer, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier import codec
+from kvtier.errors import ConfigError, RecordError
+
+if TYPE_CHECKING:
+    import torch
+
+_NONE = b"KVTPIPE\x00NONE"
+_NS = b"kvtier-kv-pipe\x00\x00"  # the records' namespace field (16 bytes)
+_POLL_S = (0.0005, 0.05)  # recv polls from 0.5 ms, backing off to 50 ms
+
+
+def _message_key(name: str, which: str) -> bytes:
+    return hashlib.sha256(f"kvtier-pipe\0{name}\0{which}".encode()).digest()
+
+
+class KVPipe:
+    """One named pipe in a shared store: ``where`` is a ``redis://``, ``rediss://`` or
+    ``redis+cluster://`` address, or a directory both sides can reach."""
+
+    def __init__(self, where: str | Path, name: str, *, device: str = "cpu",
+                 timeout_s: float = 5.0, max_tensor_bytes: int = 1 << 30) -> None:
+        if not name or "/" in name or "\0" in name:
+            raise ConfigError(f"pipe name {name!r}: must be non-empty, without '/' or NUL")
+        self.name = name
+        self.device = device
+        self.max_tensor_bytes = max_tensor_bytes
+        self._closed = False
+        _register_with_vllm()
+        if str(where).startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+            self._store: _Store = _RedisStore(str(where), name, timeout_s)
+        else:
+            self._store = _DirStore(Path(where), name)
+
+    # -- vLLM's KVPipeBase contract ----------------------------------------------------
+    def send_tensor(self, tensor: torch.Tensor | None, tensor_key: str = "") -> None:
+        """Queue ``tensor`` (or None) for the consumer; returns once it is stored."""
+        self._check_open()
+        which = tensor_key and f"key:{tensor_key}"
+        if not which:
+            which = f"seq:{self._store.next_seq('head')}"
+        key = _message_key(self.name, which)
+        if tensor is None:
+            self._store.put(key, _NONE, memoryview(b""))
+            return
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        header, payload = codec.encode(t.contiguous(), key=key, namespace_id=_NS, token_start=0,
+                                       num_tokens=0)
+        self._store.put(key, header, payload)
+
+    def recv_tensor(self, tensor_key: str = "", timeout: float | None = None) -> torch.Tensor | None:
+        """The next tensor (or None) in send order, or the one sent under ``tensor_key``;
+        waits for it (up to ``timeout`` seconds, then :class:`TimeoutError`)."""
+        self._check_open()
+        which = f"key:{tensor_key}" if tensor_key else f"seq:{self._store.peek_seq('tail') + 1}"
+        key = _message_key(self.name, which)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = _POLL_S[0]
+        while True:
+            got = self._store.get(key)
+            if got is not None:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s")
+            time.sleep(wait)
+            wait = min(wait * 2, _POLL_S[1])
+        header, pieces = got
+        try:
+            out = None if header == _NONE else codec.decode_pieces(
+                header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
+        finally:
+            self._store.delete(key)
+            if not tensor_key:
+                self._store.next_seq("tail")
+        if out is not None and self.device != "cpu":
+            out = out.to(self.device)
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"kvtier pipe {self.name!r} is closed")
+
+    def __enter__(self) -> KVPipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _register_with_vllm() -> None:
+    """Count as a ``KVPipeBase`` where the running vLLM still has that class (checked only
+    when vLLM is already imported: kvtier never imports it for this)."""
+    if "vllm" not in sys.modules:
+        return
+    try:
+        from vllm.distributed.kv_transfer.kv_pipe.base import KVPipeBase  # type: ignore[import-not-found]
+    except Exception:  # vLLM absent, or a version without pipes (V1 has none)
+        return
+    KVPipeBase.register(KVPipe)
+
+
+class _Store:
+    def next_seq(self, counter: str) -> int: ...
+    def peek_seq(self, counter: str) -> int: ...
+    def put(self, key: bytes, header: bytes, payload: memoryview) -> None: ...
+    def get(self, key: bytes) -> tuple[bytes, list[bytes | memoryview]] | None: ...
+    def delete(self, key: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class _RedisStore(_Store):
+    """Messages as remote-tier records; counters as Redis integers next to them."""
+
+    def __init__(self, url: str, name: str, timeout_s: float) -> None:
+        from kvtier.metrics import Counters
+        from kvtier.remote.tier import RemoteTier
+
+        self.tier = RemoteTier(url=url, password=None, timeout_s=timeout_s, part_bytes=4 << 20,
+                               queue_bytes=1, counters=Counters(), writer=False)
+        self.name = name
+        self._parts: dict[bytes, list[str]] = {}
+
+    def _counter(self, counter: str, op: str) -> int:
+        k = f"kvpipe:{{{self.name}}}:{counter}"
+        ((node, client, _),) = self.tier.nodes.route([k])
+        (reply,) = self.tier.nodes.run(node, client, lambda p: p.incr(k) if op == "incr" else p.get(k))
+        if isinstance(reply, Exception):
+            raise reply
+        return int(reply or 0)
+
+    def next_seq(self, counter: str) -> int:
+        return self._counter(counter, "incr")
+
+    def peek_seq(self, counter: str) -> int:
+        return self._counter(counter, "get")
+
+    def put(self, key: bytes, header: bytes, payload: memoryview) -> None:
+        if self.tier.store_many([(key, header, payload)]) != 1:
+            raise OSError(f"kvtier pipe {self.name!r}: the server did not store the message: it is "
+                          "unavailable or refusing writes (see the warning logged), or a message "
+                          "sent under this tensor_key is still waiting to be received")
+
+    def get(self, key: bytes) -> tuple[bytes, list[bytes | memoryview]] | None:
+        rec = self.tier.fetch(key)
+        if rec is None:
+            return None
+        self._parts[key] = rec.part_names
+        return rec.header, list(rec.pieces)
+
+    def delete(self, key: bytes) -> None:
+        self.tier.delete(key, self._parts.pop(key, ()))
+
+    def close(self) -> None:
+        self.tier.close(0)
+
+
+class _DirStore(_Store):
+    """Messages as files ``<seq key>.msg`` (written aside, renamed into place); counters as
+    small files replaced atomically."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"pipe directory {root} exists and is not a directory")
+        self.dir = root / name
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}.msg"
+
+    def peek_seq(self, counter: str) -> int:
+        try:
+            return int((self.dir / counter).read_text() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def next_seq(self, counter: str) -> int:
+        n = self.peek_seq(counter) + 1
+        self._replace(self.dir / counter, [str(n).encode()])
+        return n
+
+    def _replace(self, path: Path, parts: list[bytes | memoryview]) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def put(self, key: bytes, header: bytes, payload: memoryview) -> None:
+        self._replace(self._path(key), [len(header).to_bytes(4, "little"), header, payload])
+
+    def get(self, key: bytes) -> tuple[bytes, list[bytes | memoryview]] | None:
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) < 4 or int.from_bytes(data[:4], "little") > len(data) - 4:
+            raise RecordError(f"pipe message {self._path(key).name} is truncated")
+        n = int.from_bytes(data[:4], "little")
+        view = memoryview(data)
+        return bytes(view[4 : 4 + n]), [view[4 + n :]]
+
+    def delete(self, key: bytes) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+    def close(self) -> None:
+        pass
+
