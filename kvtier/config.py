@@ -49,6 +49,7 @@ class CacheConfig:
     # redis+cluster:// address, or None for none.
     remote: str | None = None
     remote_password: str | None = None
+    remote_tls_ca: str | None = None  # CA file that signed the server's certificate (rediss://)
     remote_timeout_s: float = 0.5
     remote_part_bytes: int | str = "4M"
     remote_queue_bytes: int | str = "256M"
@@ -113,6 +114,9 @@ class CacheConfig:
         self.remote_queue_bytes = parse_size(self.remote_queue_bytes, "remote_queue_bytes")
         if self.remote_password is not None and not isinstance(self.remote_password, str):
             raise ConfigError("remote_password: must be a string")
+        if self.remote_tls_ca is not None and not Path(str(self.remote_tls_ca)).expanduser().is_file():
+            raise ConfigError(f"remote_tls_ca: {self.remote_tls_ca} is not a readable file; give the "
+                              "PEM file of the CA that signed the server's certificate")
         if isinstance(self.remote_timeout_s, bool) or not isinstance(self.remote_timeout_s, int | float) \
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"remote_timeout_s: must be seconds above 0 and at most 60, got {self.remote_timeout_s!r}")

@@ -74,7 +74,8 @@ _Slots = tuple[list[int], list[tuple[int, int, str, int]]]  # range starts; (lo,
 class RedisNodes:
     """Route keys to nodes and run one pipeline per node, isolating each node's failures."""
 
-    def __init__(self, address: RemoteAddress, timeout_s: float, max_connections: int) -> None:
+    def __init__(self, address: RemoteAddress, timeout_s: float, max_connections: int,
+                 tls_ca: str | None = None) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.crc import key_slot
@@ -92,6 +93,8 @@ class RedisNodes:
             retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again, not each call
             health_check_interval=0, max_connections=max_connections,
         )
+        if address.tls:  # certificates verified; against the given CA, else the system's
+            self._kwargs.update(ssl_cert_reqs="required", ssl_ca_certs=tls_ca)
         self._lock = threading.Lock()
         self._breakers: dict[str, _Breaker] = {}
         self._clients: dict[str, Any] = {}

@@ -111,9 +111,9 @@ class RemoteTier:
 
     def __init__(self, *, url: str, password: str | None, timeout_s: float, part_bytes: int,
                  queue_bytes: int, counters: Counters, connections: int = 8,
-                 writer: bool = True) -> None:
+                 writer: bool = True, tls_ca: str | None = None) -> None:
         self.address = parse_remote(url, password)
-        self.nodes = RedisNodes(self.address, timeout_s, max(2, connections))
+        self.nodes = RedisNodes(self.address, timeout_s, max(2, connections), tls_ca=tls_ca)
         self.part_bytes = part_bytes
         self.queue_bytes = queue_bytes
         self.counters = counters

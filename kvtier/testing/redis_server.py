@@ -43,7 +43,8 @@ class LocalRedis:
     """One ``redis-server`` on 127.0.0.1 (with ``persist``, its data survives a kill)."""
 
     def __init__(self, workdir: Path, *, maxmemory: str = "512mb", port: int | None = None,
-                 password: str | None = None, cluster: bool = False, persist: bool = False) -> None:
+                 password: str | None = None, cluster: bool = False, persist: bool = False,
+                 tls: tuple[Path, Path, Path] | None = None) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -56,6 +57,13 @@ class LocalRedis:
                      "--logfile", str(self.dir / "redis.log")]
         if password:
             self.args += ["--requirepass", password]
+        self.tls = tls  # (certificate, key, CA): TLS only, on self.port
+        if tls:
+            cert, key, ca = tls
+            self.args[1:3] = ["--port", "0"]
+            self.args += ["--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                          "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                          "--tls-auth-clients", "no"]
         if cluster:
             self.args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf",
                           "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
@@ -66,12 +74,13 @@ class LocalRedis:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}"
 
     def client(self):  # noqa: ANN201 - a redis.Redis
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        tls = dict(ssl=True, ssl_ca_certs=str(self.tls[2])) if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **tls)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -91,6 +100,25 @@ class LocalRedis:
 
     def stop(self) -> None:
         self.kill()
+
+
+def make_test_certificates(workdir: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (``openssl``): (cert, key, CA)."""
+    d = Path(workdir)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, cwd=d, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+            "-days", "2", "-subj", "/CN=kvtier test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=127.0.0.1")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.ext")
+    return d / "server.pem", d / "server.key", d / "ca.pem"
 
 
 class LocalRedisCluster:

@@ -194,3 +194,26 @@ def test_a_hung_server_costs_one_timeout_per_back_off_not_one_per_lookup(tmp_pat
             assert b.stats()["remote_errors"] >= 1
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+def test_tls_with_a_verified_certificate(tmp_path: Path) -> None:
+    from kvtier.testing.redis_server import make_test_certificates
+
+    cert, key, ca = make_test_certificates(tmp_path / "certs")
+    server = LocalRedis(tmp_path / "redis-tls", tls=(cert, key, ca))
+    try:
+        assert server.url.startswith("rediss://")
+        kv = kv_for(SEQ)
+        with open_cache(tmp_path / "a", server.url, remote_tls_ca=str(ca)) as a:
+            a.save(SEQ, kv)
+            a.flush(30)
+            assert a.stats()["remote_saves"] == 5
+        with open_cache(tmp_path / "b", server.url, remote_tls_ca=str(ca)) as b:
+            assert torch.equal(b.load(SEQ), kv)
+        # a certificate the client cannot verify (no CA given, not a system CA): refused, a miss
+        with open_cache(tmp_path / "c", server.url) as c:
+            assert c.load(SEQ).shape[2] == 0 and c.stats()["remote_errors"] >= 1
+        with pytest.raises(ConfigError, match="remote_tls_ca"):
+            CacheConfig(path=tmp_path / "d", remote=server.url, remote_tls_ca=str(tmp_path / "nope.pem"))
+    finally:
+        server.stop()
