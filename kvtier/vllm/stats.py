@@ -31,6 +31,12 @@ PROM_COUNTERS = {
     "store_corrupt_records": "Records that failed verification (served as misses)",
     "store_evicted_disk": "Records evicted from the persistent tier",
     "store_io_errors": "Storage I/O errors",
+    "store_remote_hits": "Chunk loads served from the remote tier",
+    "store_remote_saves": "Chunks uploaded to the remote tier",
+    "store_remote_bytes_saved": "Bytes uploaded to the remote tier",
+    "store_remote_dropped": "Uploads to the remote tier not done (queue full, server down or full)",
+    "store_remote_errors": "Remote-tier operations that found the server unavailable (misses)",
+    "store_remote_corrupt": "Remote records that failed verification (served as misses)",
 }
 
 

@@ -223,6 +223,10 @@ class WorkerSide:
         log.info("kvtier: hits host=%d disk=%d misses=%d saved=%d dropped=%d corrupt=%d evicted=%d",
                  c["hits_host"], c["hits_disk"], c["misses"], c["saves_committed"],
                  c["dropped_saves"], c["corrupt_records"], c["evicted_disk"])
+        if self.store.remote is not None:
+            log.info("kvtier: remote hits=%d uploaded=%d dropped=%d unavailable=%d corrupt=%d",
+                     c["remote_hits"], c["remote_saves"], c["remote_dropped"], c["remote_errors"],
+                     c["remote_corrupt"])
 
     def close(self) -> None:
         for fut in self._loads.values():
