@@ -48,7 +48,7 @@ class CacheConfig:
     # The shared remote tier (see docs/scale-out.md): a redis://, rediss:// or
     # redis+cluster:// address, or None for none.
     remote: str | None = None
-    remote_password: str | None = None
+    remote_password: str | None = dataclasses.field(default=None, repr=False)  # never logged
     remote_tls_ca: str | None = None  # CA file that signed the server's certificate (rediss://)
     remote_timeout_s: float = 0.5
     remote_part_bytes: int | str = "4M"

@@ -182,9 +182,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                         can_load=self._can_load, can_save=self._can_save,
                                         save_partial=self.settings.save_partial_chunks,
                                         load_async=self.settings.load_async)
-            log.info("kvtier: connector on (%s, store %s, backend %s, namespace %s)",
+            remote = self._view.remote
+            log.info("kvtier: connector on (%s, store %s, backend %s, namespace %s%s)",
                      ktc.kv_role, self.settings.cache.path, self.settings.cache.backend,
-                     namespaces[0].id.hex())
+                     namespaces[0].id.hex(), f", remote {remote.address.describe()}" if remote else "")
 
     def _close_store(self) -> None:
         if self._store is not None:

@@ -63,3 +63,24 @@ def test_a_second_server_hits_what_the_first_computed_and_survives_the_remote_dy
         assert got.tokens == base[2].tokens
         assert store.counters.snapshot()["remote_hits"] > hits_before
         assert store.counters.snapshot()["corrupt_records"] == 0
+
+
+def test_a_producer_and_a_consumer_with_separate_disks_pass_kv_through_the_remote_tier(
+        tiny_model: Path, tmp_path: Path, server: LocalRedis) -> None:
+    """The disaggregated split: a kv_producer (prefill) and a kv_consumer (decode), each with
+    its own local store, as on two machines; the consumer never saves, the producer never loads."""
+    prompt = tokens(700, seed=44)
+    with Engine(tiny_model) as e:
+        base = e.generate([prompt], max_tokens=8)[0]
+    remote = {"remote": server.url}
+    with Engine(tiny_model, kv_transfer_config(tmp_path / "prefill", "kv_producer", **remote)) as p:
+        p.generate([prompt], max_tokens=1)
+        p.worker_connector._store.flush(60)
+        saved = p.worker_connector._store.counters.snapshot()["remote_saves"]
+    assert saved >= 2
+    with Engine(tiny_model, kv_transfer_config(tmp_path / "decode", "kv_consumer", **remote)) as d:
+        got = d.generate([prompt], max_tokens=8)[0]
+        stats = d.worker_connector._store.counters.snapshot()
+    assert got.num_cached_tokens == (len(prompt) - 1) // 32 * 32
+    assert got.tokens == base.tokens
+    assert stats["remote_hits"] >= 2 and stats["remote_saves"] == 0
