@@ -25,6 +25,7 @@ import torch
 from kvtier import codec, forksafe
 from kvtier.backends import PutItem, open_shared
 from kvtier.backends.base import EntryInfo, most_recent
+from kvtier.background import RateLimitedLog, wait_while
 from kvtier.buffer_pool import BufferPool
 from kvtier.config import CacheConfig
 from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
@@ -81,25 +82,6 @@ def _stores_after_fork_in_child() -> None:
 forksafe.register(forksafe.STORE, after_in_child=_stores_after_fork_in_child)
 
 
-class _RateLimitedLog:
-    """Warn at most once per ``interval`` seconds per message kind; count the rest."""
-
-    def __init__(self, interval: float = 30.0) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e9) >= self.interval:
-            n = self._suppressed.pop(kind, 0)
-            suffix = f" ({n} similar suppressed)" if n else ""
-            log.warning(msg + suffix, *args)
-            self._last[kind] = now
-        else:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-
-
 class ChunkStore:
     """Chunks (tensors in the canonical layout) under 32-byte keys, in host memory and on disk."""
 
@@ -107,7 +89,7 @@ class ChunkStore:
         self.config = config
         self.readonly = readonly
         self.counters = Counters()
-        self._warn = _RateLimitedLog()
+        self._warn = RateLimitedLog()
         self._lock, self.backend = open_shared(config, readonly=readonly)
         self.host = HostTier(config.host_bytes)
         self.remote: RemoteTier | None = open_remote(config, self.counters, writer=not readonly)
@@ -196,12 +178,8 @@ class ChunkStore:
         """Wait until every queued save is committed (or dropped), and uploaded to the remote
         tier if there is one. True if drained."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._queue or self._inflight:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
+        if not wait_while(self._cv, lambda: bool(self._queue or self._inflight), deadline):
+            return False
         if self.remote is not None:
             return self.remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return True

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvtier.background import RateLimitedLog, wait_while
 from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.errors import RecordError
 from kvtier.metrics import Counters
@@ -122,7 +123,7 @@ class RemoteTier:
         self._inflight = False
         self._cv = threading.Condition()
         self._closed = False
-        self._last_warn: dict[str, float] = {}
+        self._log = RateLimitedLog()
         self._scripts = True  # lookups by script until a server refuses one
         self._writer: threading.Thread | None = None
         if writer:
@@ -131,10 +132,7 @@ class RemoteTier:
             self._writer.start()
 
     def _warn(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last_warn.get(kind, -1e9) >= 30.0:
-            self._last_warn[kind] = now
-            log.warning(msg, *args)
+        self._log.warning(kind, msg, *args)
 
     def _unavailable(self, what: str, exc: Exception) -> None:
         self.counters.add(remote_errors=1)
@@ -330,13 +328,7 @@ class RemoteTier:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload is done (or dropped). True if drained."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._queue or self._inflight:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return wait_while(self._cv, lambda: bool(self._queue or self._inflight), deadline)
 
     def close(self, timeout: float = 30.0) -> None:
         """Upload what is queued (within ``timeout``), then close the connections."""
