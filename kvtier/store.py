@@ -90,9 +90,16 @@ class ChunkStore:
         self.readonly = readonly
         self.counters = Counters()
         self._warn = RateLimitedLog()
-        self._lock, self.backend = open_shared(config, readonly=readonly)
-        self.host = HostTier(config.host_bytes)
+        # the remote tier first: connecting is lazy, and a missing client must not leave the
+        # store locked behind a failed open
         self.remote: RemoteTier | None = open_remote(config, self.counters, writer=not readonly)
+        try:
+            self._lock, self.backend = open_shared(config, readonly=readonly)
+        except BaseException:
+            if self.remote is not None:
+                self.remote.close(0)
+            raise
+        self.host = HostTier(config.host_bytes)
         # Saves and host-tier loads use pooled buffers: what the queue and the host tier hold
         # (and the remote tier's upload queue, which holds them until uploaded).
         self.pool = BufferPool(int(config.host_bytes) + int(config.write_queue_bytes)

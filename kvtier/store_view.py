@@ -22,9 +22,14 @@ log = logging.getLogger("kvtier")
 class StoreView:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self._lock, self.backend = open_shared(config)
         self.counters = Counters()  # the remote tier's (lookups only: no uploads from here)
-        self.remote = open_remote(config, self.counters, writer=False)
+        self.remote = open_remote(config, self.counters, writer=False)  # lazy: connects on use
+        try:
+            self._lock, self.backend = open_shared(config)
+        except BaseException:
+            if self.remote is not None:
+                self.remote.close(0)
+            raise
         self.lookup_errors = 0
         self._closed = False
 

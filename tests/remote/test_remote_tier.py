@@ -217,3 +217,15 @@ def test_tls_with_a_verified_certificate(tmp_path: Path) -> None:
             CacheConfig(path=tmp_path / "d", remote=server.url, remote_tls_ca=str(tmp_path / "nope.pem"))
     finally:
         server.stop()
+
+
+def test_without_the_redis_client_a_remote_setting_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvtier.store import ChunkStore
+
+    cfg = CacheConfig(path=tmp_path / "s", remote="redis://127.0.0.1:1")
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"pip install 'kvtier\[remote\]'"):
+        ChunkStore(cfg)
+    ChunkStore(CacheConfig(path=tmp_path / "s")).close()  # nothing left half-open
