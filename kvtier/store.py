@@ -296,6 +296,18 @@ class ChunkStore:
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
         return n
 
+    def present_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is stored or queued to be, in one index read: what a
+        worker checks for a whole step's saves at once (all False if the index cannot be
+        read: the saves then go ahead; a second copy replaces the first)."""
+        try:
+            stored = self.backend.present_each(keys)
+        except Exception as exc:
+            self.counters.add(io_errors=1)
+            self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
+            stored = [False] * len(keys)
+        return [there or k in self._pending for k, there in zip(keys, stored, strict=True)]
+
     def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]]) -> int:
         """:meth:`count_present_prefix` for a chain's chunks ``(token_start, key)`` whose first
         chunk's key is ``head``: the index reads them side by side (fast also when cold)."""

@@ -205,6 +205,10 @@ class Backend:
         """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
         return self.index.present_prefix(keys)
 
+    def present_each(self, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is stored (one index read for all of them)."""
+        return self.index.present_each(keys)
+
     def count_present_chain(self, head: bytes, spans: Iterable[tuple[int, bytes]]) -> int:
         """:meth:`count_present_prefix` for chunks of one chain, ``(token_start, key)``, whose
         first chunk's key is ``head``: the fast path for a prompt's lookup."""

@@ -238,6 +238,12 @@ class StoreIndex:
                 n += 1
         return n
 
+    def present_each(self, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is stored, in one read transaction."""
+        with self.env.txn() as txn:
+            cur = txn.cursor(db=self._entries)
+            return [cur.set_key(k) for k in keys]
+
     def present_chain(self, head: bytes, spans: Iterable[tuple[int, bytes]]) -> int:
         """How many of a chain's chunks, ``(token_start, key)`` from the first, are stored;
         ``head`` is the key of the chain's first chunk. Same answer as

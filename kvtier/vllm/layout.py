@@ -138,7 +138,15 @@ def probe_cpu_layout(write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, 
     return perm
 
 
-def gather_blocks(view: LayerView, block_ids: Sequence[int], out: torch.Tensor,
+def block_index(block_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block ids as a long tensor on ``device``: as given if already one (the worker uploads
+    a step's ids once, see :class:`kvtier.vllm.device.StepIndex`), else converted here."""
+    if isinstance(block_ids, torch.Tensor):
+        return block_ids
+    return torch.as_tensor(block_ids, dtype=torch.long, device=device)
+
+
+def gather_blocks(view: LayerView, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor,
                   non_blocking: bool = False) -> None:
     """Copy blocks ``block_ids`` of a layer's views into ``out`` ``[2, len*N, H, D]``.
 
@@ -146,37 +154,41 @@ def gather_blocks(view: LayerView, block_ids: Sequence[int], out: torch.Tensor,
     and save paths share the interpreter with vLLM's busy engine loop.
     """
     if isinstance(view, PermutedBlocks):
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=view.flat.device)
+        idx = block_index(block_ids, view.flat.device)
+        nb = idx.numel()
         g = view.flat.index_select(0, idx).index_select(2, view.perm)  # [nb, H, 2*N*D] canonical
-        g = g.view(len(block_ids), -1, 2, view.n, view.d).permute(2, 0, 3, 1, 4)
-        out.view(2, len(block_ids), view.n, *out.shape[2:]).copy_(g, non_blocking=non_blocking)
+        g = g.view(nb, -1, 2, view.n, view.d).permute(2, 0, 3, 1, 4)
+        out.view(2, nb, view.n, *out.shape[2:]).copy_(g, non_blocking=non_blocking)
         return
+    idx = block_index(block_ids, view[0].device)
+    nb = idx.numel()
     plane = 0
     for v in view:
         n, p = v.shape[2], v.shape[1]
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=v.device)
-        dst = out.narrow(0, plane, p).view(p, len(block_ids), n, *out.shape[2:])
+        dst = out.narrow(0, plane, p).view(p, nb, n, *out.shape[2:])
         dst.copy_(v.index_select(0, idx).transpose(0, 1), non_blocking=non_blocking)
         plane += p
 
 
-def scatter_blocks(view: LayerView, block_ids: Sequence[int], src: torch.Tensor,
+def scatter_blocks(view: LayerView, block_ids: torch.Tensor | Sequence[int], src: torch.Tensor,
                    non_blocking: bool = False) -> None:
     """Copy ``src`` ``[2, >=len*N, H, D]`` into blocks ``block_ids`` of a layer's views."""
-    nb = len(block_ids)
     if isinstance(view, PermutedBlocks):
+        idx = block_index(block_ids, view.flat.device)
+        nb = idx.numel()
         n, heads = view.n, view.flat.shape[1]
         s = src.narrow(1, 0, nb * n).reshape(2, nb, n, heads, view.d).permute(1, 3, 0, 2, 4)
         s = s.reshape(nb, heads, 2 * n * view.d).to(view.flat.device)
         raw = torch.empty_like(s).index_copy_(2, view.perm, s)
-        view.flat.index_copy_(0, torch.as_tensor(block_ids, dtype=torch.long, device=view.flat.device), raw)
+        view.flat.index_copy_(0, idx, raw)
         return
+    idx = block_index(block_ids, view[0].device)
+    nb = idx.numel()
     plane = 0
     for v in view:
         n, p = v.shape[2], v.shape[1]
         s = src.narrow(0, plane, p).narrow(1, 0, nb * n).reshape(p, nb, n, *src.shape[2:]).transpose(0, 1)
         if s.device != v.device:
             s = s.to(v.device, non_blocking=non_blocking)
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=v.device)
         v.index_copy_(0, idx, s)
         plane += p

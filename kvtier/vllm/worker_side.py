@@ -19,7 +19,7 @@ import torch
 
 from kvtier.keys import Namespace
 from kvtier.store import ChunkStore
-from kvtier.vllm.device import CopyStream
+from kvtier.vllm.device import CopyStream, StepIndex
 from kvtier.vllm.layout import Content, blocks_view, gather_blocks, scatter_blocks
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
@@ -33,6 +33,7 @@ class _Staged:
     spec: SaveSpec
     buf: torch.Tensor | None  # None: nothing to copy (already stored, or no buffer free)
     dropped: bool = False  # no buffer was free: the save is dropped (counted by the store)
+    idx: torch.Tensor | None = None  # its block ids on the device (this step's upload)
 
 
 @dataclass
@@ -55,6 +56,10 @@ class WorkerSide:
         self.views = [blocks_view(kv_caches[n], content, self.head_dim) for n in layer_names]
         self.dtype = kv_caches[layer_names[0]].dtype
         self.copies = CopyStream(kv_caches[layer_names[0]].device)
+        # block ids go to the device once per step, not per layer and chunk (saves and
+        # loads each have their own: a step's save ids stay in use across its layers)
+        self._save_index = StepIndex(self.copies.device)
+        self._load_index = StepIndex(self.copies.device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
         self._save_namespace = namespace.id
         self._loads: dict[str, Future[_LoadResult]] = {}
@@ -73,26 +78,31 @@ class WorkerSide:
         li = self.layer_index.get(layer_name)
         if li is None or not meta.saves:
             return
-        if self._staged is None:
-            self._staged = self._prepare_saves(meta)
-            ids = meta.namespace_ids
-            self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
         with self.copies.after_compute():
+            if self._staged is None:  # the step's first layer: plan its saves once
+                self._staged = self._prepare_saves(meta)
+                ids = meta.namespace_ids
+                self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
             for staged in self._staged:
                 if staged.buf is not None:
-                    gather_blocks(self.views[li], staged.spec.block_ids, staged.buf[li],
+                    gather_blocks(self.views[li], staged.idx, staged.buf[li],
                                   non_blocking=self.copies.non_blocking)
 
     def _prepare_saves(self, meta: KVTierMetadata) -> list[_Staged]:
+        """Which of the step's chunks to copy (one index read for all of them), a pooled
+        buffer for each, and their block ids uploaded to the device in one copy."""
+        stored = self.store.present_each([spec.keys[self.rank] for spec in meta.saves])
         staged = []
-        for spec in meta.saves:
-            key = spec.keys[self.rank]
-            if self.store.count_present_prefix([key]):
+        for spec, there in zip(meta.saves, stored, strict=True):
+            if there:
                 staged.append(_Staged(spec, None))
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
             buf = self.store.buffer(shape, self.dtype)
             staged.append(_Staged(spec, buf, dropped=buf is None))
+        copying = [st for st in staged if st.buf is not None]
+        for st, idx in zip(copying, self._save_index.upload([st.spec.block_ids for st in copying]), strict=True):
+            st.idx = idx
         return staged
 
     def finish_saves(self) -> None:
@@ -156,10 +166,11 @@ class WorkerSide:
         t0 = time.perf_counter()
         try:
             with self.copies.after_compute():
-                for chunk, data in res.loaded:
+                indexes = self._load_index.upload([chunk.block_ids for chunk, _ in res.loaded])
+                for (chunk, data), idx in zip(res.loaded, indexes, strict=True):
                     skip = chunk.skip_blocks * self.block_size
                     for li, view in enumerate(self.views):
-                        scatter_blocks(view, chunk.block_ids, data[li].narrow(1, skip, data.shape[2] - skip),
+                        scatter_blocks(view, idx, data[li].narrow(1, skip, data.shape[2] - skip),
                                        non_blocking=self.copies.non_blocking)
                     res.tokens += len(chunk.block_ids) * self.block_size
             self.copies.synchronize()
