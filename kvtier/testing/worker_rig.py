@@ -1,0 +1,97 @@
+"""The worker side of the connector on a synthetic paged KV cache, without a vLLM engine.
+
+For tests of the data path and for ``benchmarks/gpu_bench.py`` on machines where vLLM cannot
+be installed (GPU machines without it): the real :class:`WorkerSide`, :class:`ChunkStore`
+and layouts run unchanged; only vLLM's empty metadata base class is stood in for when vLLM
+is absent.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.keys import Namespace
+
+
+def ensure_metadata_base() -> None:
+    """Make ``kvtier.vllm.metadata`` importable without vLLM (its base class is empty)."""
+    try:
+        import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
+        return
+    except ImportError:
+        pass
+    names = ["vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
+             "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1",
+             "vllm.distributed.kv_transfer.kv_connector.v1.base"]
+    for name in names:
+        sys.modules.setdefault(name, types.ModuleType(name))
+
+    class KVConnectorMetadata:  # vLLM's is an empty ABC
+        pass
+
+    sys.modules[names[-1]].KVConnectorMetadata = KVConnectorMetadata  # type: ignore[attr-defined]
+
+
+@dataclass
+class Geometry:
+    layers: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    block_size: int = 16
+    chunk_tokens: int = 64
+    num_blocks: int = 64
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.layers * 2 * self.chunk_tokens * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def make_kv_caches(g: Geometry, content: str, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """One ``[B, H, N, 2*D]`` tensor per layer, laid out in memory as the attention backend
+    lays it out: ``kv_last`` (FlashAttention: per token and head, K then V) or ``cpu``
+    (vLLM's CPU backend with row-major K: per block and head, K rows then V rows)."""
+    caches = {}
+    for i in range(g.layers):
+        if content == "kv_last":
+            phys = torch.zeros(g.num_blocks, g.block_size, g.kv_heads, 2 * g.head_dim, dtype=g.dtype, device=device)
+            caches[f"layer.{i}"] = phys.transpose(1, 2)
+        elif content == "cpu":
+            caches[f"layer.{i}"] = torch.zeros(g.num_blocks, g.kv_heads, g.block_size, 2 * g.head_dim,
+                                               dtype=g.dtype, device=device)
+        else:
+            raise ValueError(f"content layout {content!r}: use 'kv_last' or 'cpu'")
+    return caches
+
+
+def make_worker(store, g: Geometry, content: str, device: str | torch.device):  # noqa: ANN001, ANN201
+    """A :class:`WorkerSide` over fresh KV caches: ``(worker, caches)``."""
+    ensure_metadata_base()
+    from kvtier.vllm.worker_side import WorkerSide
+
+    ns = Namespace(model="worker-rig", weights_fingerprint="sha256:rig", dtype=str(g.dtype).removeprefix("torch."),
+                   kv_shape=(g.layers, 2, g.kv_heads, g.head_dim), chunk_tokens=g.chunk_tokens)
+    caches = make_kv_caches(g, content, device)
+    worker = WorkerSide(store, ns, list(caches), caches, content, g.block_size)
+    return worker, caches
+
+
+def save_step(worker, caches: dict[str, torch.Tensor], saves: list) -> None:  # noqa: ANN001
+    """One engine step that saves ``saves`` (``SaveSpec``\\ s): every layer, then wait_for_save."""
+    from kvtier.vllm.metadata import KVTierMetadata
+
+    meta = KVTierMetadata(saves=saves)
+    for name in caches:
+        worker.save_layer(meta, name)
+    worker.finish_saves()
+
+
+def load_sync(worker, loads: list) -> None:  # noqa: ANN001
+    """Load ``loads`` (``LoadSpec``\\ s with ``sync=True``) before a step, as vLLM would."""
+    from kvtier.vllm.metadata import KVTierMetadata
+
+    worker.start_loads(KVTierMetadata(loads=loads))
