@@ -8,6 +8,7 @@ is absent.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -95,3 +96,45 @@ def load_sync(worker, loads: list) -> None:  # noqa: ANN001
     from kvtier.vllm.metadata import KVTierMetadata
 
     worker.start_loads(KVTierMetadata(loads=loads))
+
+
+def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
+                    steps: int = 16, loads: int = 16, seed: int = 0) -> dict[str, list]:
+    """Save two chunks per step for ``steps`` steps (random blocks of random KV), then zero the
+    caches and load the last ``loads`` chunks back into other blocks, comparing block for
+    block. Returns the per-step ``(pool slots, index buffer growths)`` of both phases and the
+    chunks that came back different (``mismatches``: must be empty)."""
+    from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
+
+    per_chunk = g.chunk_tokens // g.block_size
+    gen = torch.Generator().manual_seed(seed)
+    for c in caches.values():
+        c.copy_(torch.randn(c.shape, generator=gen).to(c.dtype))
+
+    def blocks(cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        return cache[torch.tensor(ids, device=cache.device)].cpu()
+
+    saved, save_marks = [], []
+    for step in range(steps):
+        perm = torch.randperm(g.num_blocks, generator=gen).tolist()
+        specs = []
+        for j in range(2):
+            ids = perm[j * per_chunk:(j + 1) * per_chunk]
+            key = os.urandom(32)
+            specs.append(SaveSpec(f"r{step}", (key,), 0, g.chunk_tokens, ids))
+            saved.append((key, [blocks(c, ids) for c in caches.values()]))
+        save_step(worker, caches, specs)
+        store.flush(60)
+        save_marks.append((store.pool.created, worker._save_index.allocations))
+    for c in caches.values():
+        c.zero_()
+    load_marks, mismatches = [], []
+    for key, want in saved[-loads:]:
+        dest = torch.randperm(g.num_blocks, generator=gen)[:per_chunk].tolist()
+        load_sync(worker, [LoadSpec("l", [ChunkLoad((key,), 0, g.chunk_tokens, 0, dest)], sync=True)])
+        ok = not worker.take_load_errors() and all(
+            torch.equal(blocks(c, dest), w) for c, w in zip(caches.values(), want, strict=True))
+        if not ok:
+            mismatches.append(key.hex()[:16])
+        load_marks.append((store.pool.created, worker._load_index.allocations))
+    return {"save_marks": save_marks, "load_marks": load_marks, "mismatches": mismatches}

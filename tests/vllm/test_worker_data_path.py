@@ -3,65 +3,55 @@ real WorkerSide and ChunkStore, and no buffer allocated per step once warm."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvtier import CacheConfig
 from kvtier.store import ChunkStore
-from kvtier.testing.worker_rig import Geometry, load_sync, make_worker, save_step
+from kvtier.testing.worker_rig import Geometry, make_worker, save_and_reload, save_step
+
+REPO = Path(__file__).resolve().parents[2]
 
 G = Geometry()
 PER_CHUNK = G.chunk_tokens // G.block_size
 
 
-def _blocks(cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    return cache[torch.tensor(ids)].clone()
-
-
 @pytest.mark.parametrize("content", ["kv_last", "cpu"])
 def test_steady_state_saves_and_loads_allocate_nothing_and_round_trip(tmp_path: Path, content: str) -> None:
-    from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
-
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
                       write_queue_bytes=4 * G.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, G, content, "cpu")
-        gen = torch.Generator().manual_seed(0)
-        for c in caches.values():
-            c.copy_(torch.randn(c.shape, generator=gen))
-        saved: list[tuple[bytes, list[int], list[torch.Tensor]]] = []
-        marks = []
-        for step in range(16):  # two chunks per step, each from 4 of the 64 blocks
-            perm = torch.randperm(G.num_blocks, generator=gen).tolist()
-            specs = []
-            for j in range(2):
-                ids = perm[j * PER_CHUNK:(j + 1) * PER_CHUNK]
-                key = os.urandom(32)
-                specs.append(SaveSpec(f"r{step}", (key,), 0, G.chunk_tokens, ids))
-                saved.append((key, ids, [_blocks(c, ids) for c in caches.values()]))
-            save_step(worker, caches, specs)
-            assert store.flush(30)
-            marks.append((store.pool.created, worker._save_index.allocations))
+        got = save_and_reload(store, worker, caches, G)
+        assert got["mismatches"] == []  # bit-exact, block for block, into other blocks
+        marks = got["save_marks"]
         assert marks[-1] == marks[3], f"buffers allocated after warm-up: {marks}"
-        assert store.counters.snapshot()["dropped_saves"] == 0
-
-        for c in caches.values():
-            c.zero_()
-        load_marks = []
-        for key, _ids, want in saved[-16:]:  # each into other blocks than it came from
-            dest = torch.randperm(G.num_blocks, generator=gen)[:PER_CHUNK].tolist()
-            load_sync(worker, [LoadSpec("l", [ChunkLoad((key,), 0, G.chunk_tokens, 0, dest)], sync=True)])
-            assert worker.take_load_errors() == set()
-            for c, w in zip(caches.values(), want, strict=True):
-                assert torch.equal(_blocks(c, dest), w)  # bit-exact, block for block
-            load_marks.append((store.pool.created, worker._load_index.allocations))
         # host-tier loads take pool buffers until the pool's cap (host + queue budgets), then reuse
-        assert load_marks[-1] == load_marks[7], f"buffers allocated while loading: {load_marks}"
+        marks = got["load_marks"]
+        assert marks[-1] == marks[7], f"buffers allocated while loading: {marks}"
         assert store.pool.allocated_bytes <= store.pool.cap_bytes
+        assert store.counters.snapshot()["dropped_saves"] == 0
         worker.close()
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_bench.py in its smoke size: it runs, loads what it saved (it asserts
+    that), and allocates no buffer in its measured, warm pass."""
+    out = tmp_path / "bench.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--device", "cpu",
+                          "--smoke", "--dir", str(tmp_path / "w"), "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["content"] for r in rows] == ["kv_last", "cpu"]
+    for r in rows:
+        assert r["allocations_when_warm"] == 0 and r["dropped_saves"] == 0
+        assert r["save_gbs"] > 0 and r["host_load_gbs"] > 0 and r["cold_load_gbs"] > 0
 
 
 def test_a_step_checks_presence_once_and_skips_stored_chunks(tmp_path: Path) -> None:
