@@ -18,7 +18,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import xxhash
@@ -267,6 +267,54 @@ def decode_pieces(
                            record_len=len(memoryview(head).cast("B")) + sum(len(memoryview(p).cast("B")) for p in pieces))
     _check_key(header, expect_key)
     return header, _materialize(header, verify_pieces(header, pieces), out, alloc)
+
+
+class RecordReader(Protocol):
+    """A stored record as a payload store offers it: its first bytes and size, and reads of
+    the rest straight into a caller's buffer (so a load need not stage the whole record)."""
+
+    size: int
+    head: memoryview  # the first min(size, MAX_HEADER_BYTES) bytes
+
+    def fill(self, dst: memoryview, offset: int) -> None:
+        """Fill ``dst`` from the record at ``offset``; RecordError if the record ends first."""
+
+    def whole(self) -> memoryview:
+        """The whole record (a view valid until the read ends)."""
+
+
+def decode_from(
+    reader: RecordReader,
+    *,
+    expect_key: bytes | None = None,
+    out: torch.Tensor | None = None,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    max_record_bytes: int = 1 << 30,
+    out_is_scratch: bool = False,
+) -> tuple[RecordHeader, torch.Tensor]:
+    """:func:`decode` for a record read through ``reader``. An uncompressed payload headed for
+    a new tensor (no ``out``), or for an ``out`` the caller marks as scratch (its contents
+    are unspecified unless this returns), is read straight into it and verified there: one
+    copy from the storage instead of two. Any other ``out`` is written only once verified."""
+    header = decode_header(reader.head, max_record_bytes=max_record_bytes, record_len=reader.size)
+    _check_key(header, expect_key)
+    direct = out is None or (out_is_scratch and out.device.type == "cpu" and out.is_contiguous())
+    if header.codec != CODEC_RAW or not direct:
+        return decode(reader.whole(), expect_key=expect_key, out=out, alloc=alloc,
+                      max_record_bytes=max_record_bytes)
+    import torch
+
+    if out is None:
+        dest = alloc(header.shape, header.dtype) if alloc else torch.empty(header.shape, dtype=header.dtype)
+    elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
+        raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
+    else:
+        dest = out
+    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    reader.fill(view, header.header_len)
+    if xxhash.xxh3_128_digest(view) != header.checksum:
+        raise RecordError("payload checksum mismatch")
+    return header, dest
 
 
 def _check_key(header: RecordHeader, expect_key: bytes | None) -> None:

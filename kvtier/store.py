@@ -330,8 +330,10 @@ class ChunkStore:
         for what happened instead). Never an exception for a storage fault."""
         return self.load(key, out).tensor
 
-    def load(self, key: bytes, out: torch.Tensor | None = None) -> Loaded:
-        """Load a chunk (into ``out`` if given) and say what happened."""
+    def load(self, key: bytes, out: torch.Tensor | None = None, *, out_is_scratch: bool = False) -> Loaded:
+        """Load a chunk (into ``out`` if given) and say what happened. With
+        ``out_is_scratch``, ``out`` may be written before the record is verified (its contents
+        are unspecified unless the outcome is a hit), which saves a copy of the record."""
         t = self.host.get(key)
         if t is None:
             pending = self._pending.get(key)
@@ -343,17 +345,18 @@ class ChunkStore:
                 out.copy_(t)
                 t = out
             return Loaded(Outcome.HIT, t)
-        return self._load_from_backend(key, out)
+        return self._load_from_backend(key, out, out_is_scratch)
 
-    def _load_from_backend(self, key: bytes, out: torch.Tensor | None) -> Loaded:
-        def decode(view: memoryview) -> torch.Tensor:
-            return codec.decode(view, expect_key=key, out=out, alloc=self._load_buffer,
-                                max_record_bytes=self.config.max_record_bytes)[1]
+    def _load_from_backend(self, key: bytes, out: torch.Tensor | None, out_is_scratch: bool) -> Loaded:
+        def decode(reader: codec.RecordReader) -> torch.Tensor:
+            return codec.decode_from(reader, expect_key=key, out=out, alloc=self._load_buffer,
+                                     max_record_bytes=self.config.max_record_bytes,
+                                     out_is_scratch=out_is_scratch)[1]
 
         entry: EntryInfo | None = None
         try:
             entry = self.backend.lookup(key)
-            t = None if entry is None else self.backend.read_entry(entry, decode)
+            t = None if entry is None else self.backend.read_record(entry, decode)
         except IncompatibleRecord as exc:
             return self._failed(Outcome.INCOMPATIBLE, key, exc)
         except RecordTooLarge as exc:
@@ -444,19 +447,24 @@ class ChunkStore:
         return how many leading chunks loaded: a miss or a bad record ends the prefix.
 
         Nothing goes into the host tier (a bulk load would only flush it); the destinations
-        may be strided slices of one tensor.
+        may be strided slices of one tensor. Destinations past the returned prefix hold
+        unspecified bytes (uncompressed records are read straight into them, then verified).
         """
         if len(keys) != len(outs):
             raise ValueError("one destination per key")
+
+        def get(k: bytes, o: torch.Tensor) -> torch.Tensor | None:
+            return self.load(k, o, out_is_scratch=True).tensor
+
         if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
             # serial on a pool thread: waiting there for the same pool could deadlock
             n = 0
             for k, o in zip(keys, outs, strict=True):
-                if self.get(k, o) is None:
+                if get(k, o) is None:
                     break
                 n += 1
             return n
-        futures = [self._loads.submit(self.get, k, o) for k, o in zip(keys, outs, strict=True)]
+        futures = [self._loads.submit(get, k, o) for k, o in zip(keys, outs, strict=True)]
         n = len(futures)
         for i, fut in enumerate(futures):
             if fut.result() is None:

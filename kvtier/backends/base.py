@@ -35,6 +35,7 @@ from kvtier.backends.index import (
 )
 from kvtier.backends.lmdb_env import EnvHandle
 from kvtier.backends.payloads import PayloadStore, PutItem
+from kvtier.codec import RecordReader
 from kvtier.config import CacheConfig
 from kvtier.errors import StoreDamaged
 
@@ -189,6 +190,11 @@ class Backend:
     def read_entry(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
         """``fn`` of the record this entry names; None if its payload went meanwhile."""
         return self.payloads.read(entry, fn)
+
+    def read_record(self, entry: EntryInfo, fn: Callable[[RecordReader], T]) -> T | None:
+        """``fn`` of a reader of the record this entry names (see
+        :class:`~kvtier.codec.RecordReader`); None if its payload went meanwhile."""
+        return self.payloads.read_record(entry, fn)
 
     def read(self, key: bytes, fn: Callable[[memoryview], T]) -> T | None:
         """``fn`` of the record stored under ``key`` (a view valid during the call); None if

@@ -38,7 +38,8 @@ import numpy as np
 
 from kvtier.backends.index import EntryInfo, pid_alive
 from kvtier.backends.payloads import PayloadStore, PutItem, ThreadBuffer, oversized
-from kvtier.codec import MAX_HEADER_BYTES
+from kvtier.codec import MAX_HEADER_BYTES, RecordReader
+from kvtier.errors import RecordError
 
 T = TypeVar("T")
 SUFFIX = ".kvt"
@@ -277,6 +278,18 @@ class FilePayloads(PayloadStore):
             os.close(fd)
         return fn(view[:got])
 
+    def read_record(self, entry: EntryInfo, fn: Callable[[RecordReader], T]) -> T | None:
+        """The record through a reader on its open file: the payload is read straight into
+        the caller's buffer (one copy out of the page cache), not staged first."""
+        try:
+            fd = os.open(self._inside(entry.key, entry.location), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None  # evicted by another process after the index was read: a miss
+        try:
+            return fn(_FileReader(fd, self._buf, self.max_record_bytes))
+        finally:
+            os.close(fd)
+
     def read_head(self, entry: EntryInfo, n: int) -> tuple[bytes, int] | None:
         try:
             with open(self._inside(entry.key, entry.location), "rb", buffering=0,
@@ -335,15 +348,36 @@ def _stage_segment(buf: mmap.mmap, it: PutItem, pos: int, n: int) -> int:
     return m
 
 
-def _read_full(fd: int, view: memoryview) -> int:
-    """Read from offset 0 until ``view`` is full or EOF; return the bytes read."""
+def _read_full(fd: int, view: memoryview, offset: int = 0) -> int:
+    """Read from ``offset`` until ``view`` is full or EOF; return the bytes read."""
     got = 0
     while got < len(view):
-        n = os.preadv(fd, [view[got:]], got)
+        n = os.preadv(fd, [view[got:]], offset + got)
         if n == 0:
             break
         got += n
     return got
+
+
+class _FileReader:
+    """A :class:`~kvtier.codec.RecordReader` on an open record file."""
+
+    def __init__(self, fd: int, buf: ThreadBuffer, max_record_bytes: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+        self._buf = buf
+        head = bytearray(min(self.size, MAX_HEADER_BYTES))
+        self.head = memoryview(head)[: _read_full(fd, memoryview(head))]
+        if self.size > max_record_bytes:  # never size a buffer by it
+            raise oversized(self.head, self.size, max_record_bytes)
+
+    def fill(self, dst: memoryview, offset: int) -> None:
+        if _read_full(self.fd, dst, offset) != len(dst):
+            raise RecordError(f"record file ends before byte {offset + len(dst)} (truncated?)")
+
+    def whole(self) -> memoryview:
+        view = self._buf.get(self.size)
+        return view[: _read_full(self.fd, view)]
 
 
 def _unlink_quiet(path: str) -> None:

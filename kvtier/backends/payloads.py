@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvtier.backends.index import EntryInfo
-from kvtier.codec import MAX_HEADER_BYTES, decode_header
+from kvtier.codec import MAX_HEADER_BYTES, RecordReader, decode_header
 from kvtier.errors import RecordError, RecordTooLarge
 
 T = TypeVar("T")
@@ -53,6 +53,12 @@ class PayloadStore(abc.ABC):
         """Call ``fn`` with a view of the record (valid only during the call); None if the
         payload is gone (removed after the caller read the index: a miss)."""
 
+    def read_record(self, entry: EntryInfo, fn: Callable[[RecordReader], T]) -> T | None:
+        """Call ``fn`` with a :class:`~kvtier.codec.RecordReader` of the record (valid only
+        during the call); None if the payload is gone. This default reads through
+        :meth:`read`, whose view already is the stored bytes (a map)."""
+        return self.read(entry, lambda view: fn(ViewReader(view)))
+
     @abc.abstractmethod
     def read_head(self, entry: EntryInfo, n: int) -> tuple[bytes, int] | None:
         """The record's first ``n`` bytes and its length; None if gone."""
@@ -82,6 +88,24 @@ class PayloadStore(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files and maps."""
+
+
+class ViewReader:
+    """A :class:`~kvtier.codec.RecordReader` over a record already in memory (or mapped)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = memoryview(view).cast("B")
+        self.size = len(self.view)
+        self.head = self.view[:MAX_HEADER_BYTES]
+
+    def fill(self, dst: memoryview, offset: int) -> None:
+        src = self.view[offset : offset + len(dst)]
+        if len(src) != len(dst):
+            raise RecordError(f"record ends at {self.size} bytes, {offset + len(dst)} needed")
+        dst[:] = src
+
+    def whole(self) -> memoryview:
+        return self.view
 
 
 def oversized(head: bytes | memoryview, size: int, limit: int) -> Exception:

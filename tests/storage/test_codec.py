@@ -189,3 +189,24 @@ def test_encode_refuses_what_it_cannot_describe() -> None:
         codec.encode(torch.zeros(2), key=KEY[:31], namespace_id=NS, token_start=0, num_tokens=1)
     with pytest.raises(ValueError):
         codec.encode(torch.zeros((1,) * 9), key=KEY, namespace_id=NS, token_start=0, num_tokens=1)
+
+
+def test_decode_from_a_reader_reads_into_the_destination_and_verifies_there() -> None:
+    from kvtier.backends.payloads import ViewReader
+
+    t, rec = make_record(torch.bfloat16)
+    header, got = codec.decode_from(ViewReader(memoryview(rec)), expect_key=KEY)
+    assert same_bits(got, t)
+    scratch = torch.empty(SHAPE, dtype=torch.bfloat16)
+    assert codec.decode_from(ViewReader(memoryview(rec)), out=scratch, out_is_scratch=True)[1] is scratch
+    assert same_bits(scratch, t)
+    bad = bytearray(rec)
+    bad[-3] ^= 0x40
+    with pytest.raises(RecordError, match="checksum"):
+        codec.decode_from(ViewReader(memoryview(bytes(bad))))
+    kept = torch.zeros(SHAPE, dtype=torch.bfloat16)  # not scratch: untouched when the record is bad
+    with pytest.raises(RecordError, match="checksum"):
+        codec.decode_from(ViewReader(memoryview(bytes(bad))), out=kept)
+    assert not kept.view(torch.uint8).any()
+    with pytest.raises(RecordError, match="ends at"):
+        ViewReader(memoryview(rec)).fill(memoryview(bytearray(10)), len(rec) - 5)
