@@ -5,7 +5,8 @@ bf16, 256-token chunks). For each backend, with the page cache dropped (as after
 
 * **cold**: a fresh process opens the store and loads the most recently used prompt;
 * **prefetched**: ``kvtier prefetch STORE --max-bytes`` the hot set first (timed), then the
-  same fresh-process load.
+  same fresh-process load; for the files backend also with ``--reader dali`` (NVIDIA DALI's
+  file reader, if the ``dali`` extra is installed).
 
 Needs root for ``/proc/sys/vm/drop_caches``; without it the rows say WARM.
 
@@ -26,6 +27,7 @@ import torch
 from bench_common import GIB, drop_caches, fill_kv
 
 from kvtier import CacheConfig, KVCache, Namespace
+from kvtier.dali_reader import dali_available
 
 LAYERS, HEADS, DIM, CHUNK = 32, 8, 128, 256
 NS = Namespace(model="bench-llama-3-8b", weights_fingerprint="bench", dtype="bfloat16",
@@ -34,6 +36,7 @@ LOAD = """
 import sys, time, json
 t0 = time.perf_counter()
 from kvtier import CacheConfig, KVCache, Namespace
+from kvtier.dali_reader import dali_available
 ns = Namespace(**json.loads(sys.argv[2]))
 with KVCache.open(sys.argv[1], ns, CacheConfig(path=sys.argv[1], backend=sys.argv[3], host_bytes=0), readonly=True) as c:
     toks = json.loads(sys.argv[4])
@@ -42,6 +45,24 @@ with KVCache.open(sys.argv[1], ns, CacheConfig(path=sys.argv[1], backend=sys.arg
     t2 = time.perf_counter()
 print(json.dumps({"open_s": t1 - t0, "load_s": t2 - t1, "tokens": kv.shape[2]}))
 """
+
+HOST_PREFETCH = """
+import sys, time, json
+from kvtier import CacheConfig
+from kvtier.store import ChunkStore
+ns_id, reader, nbytes = bytes.fromhex(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+with ChunkStore(CacheConfig(path=sys.argv[1], backend="files", host_bytes=nbytes + (64 << 20)), readonly=True) as st:
+    t0 = time.perf_counter()
+    n = st.prefetch_recent(ns_id, nbytes, reader).result()
+    print(json.dumps({"chunks": n, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def host_prefetch(root: Path, reader: str, nbytes: int) -> dict[str, float]:
+    """The connector's start-up prefetch (into the host tier), in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", HOST_PREFETCH, str(root), NS.id.hex(), reader, str(nbytes)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def build(root: Path, backend: str, gib: float, prompts: int) -> list[list[int]]:
@@ -82,13 +103,22 @@ def main() -> None:
         hot_bytes = len(hot) * LAYERS * 2 * HEADS * DIM * 2
         cold_ok = drop_caches()
         cold = load(root, backend, hot)
-        drop_caches()
-        t0 = time.perf_counter()
-        subprocess.run([str(kvtier), "prefetch", str(root), "--max-bytes", str(int(hot_bytes * 1.05)), "--json"],
-                       check=True, capture_output=True)
-        prefetch_s = time.perf_counter() - t0
-        warm = load(root, backend, hot)
-        rows.append((backend, hot_bytes, cold_ok, cold, prefetch_s, warm))
+        readers = ["default"] + (["dali"] if backend == "files" and dali_available() else [])
+        for reader in readers:
+            drop_caches()
+            t0 = time.perf_counter()
+            subprocess.run([str(kvtier), "prefetch", str(root), "--max-bytes", str(int(hot_bytes * 1.05)),
+                            "--json", "--reader", reader], check=True, capture_output=True)
+            prefetch_s = time.perf_counter() - t0
+            warm = load(root, backend, hot)
+            name = backend if reader == "default" else f"{backend}, DALI reader"
+            rows.append((name, hot_bytes, cold_ok, cold, prefetch_s, warm))
+    host_rows = []
+    if dali_available():
+        root, nbytes = base / "files", rows[0][1]
+        for reader in ("default", "dali"):
+            drop_caches()
+            host_rows.append((reader, nbytes, host_prefetch(root, reader, nbytes)))
     print(f"store: {args.gib} GiB in {args.prompts} prompts per backend; first hit = the most recent "
           f"prompt ({rows[0][1] / GIB:.2f} GiB), loaded by a fresh process")
     print("| backend | first load, cold | kvtier prefetch | first load after prefetch | speed-up of the load |")
@@ -98,6 +128,13 @@ def main() -> None:
         print(f"| {backend} | {cold['load_s']:.3f} s ({nbytes / GIB / cold['load_s']:.2f} GiB/s){tag} "
               f"| {prefetch_s:.3f} s | {warm['load_s']:.3f} s ({nbytes / GIB / warm['load_s']:.2f} GiB/s) "
               f"| {cold['load_s'] / warm['load_s']:.1f}x |")
+    if host_rows:
+        print("\nthe connector's start-up prefetch into the host tier (files backend, cold page cache, "
+              "a fresh process, records verified):")
+        print("| reader | chunks | seconds | GiB/s |")
+        print("|---|---|---|---|")
+        for reader, nbytes, r in host_rows:
+            print(f"| {reader} | {r['chunks']} | {r['seconds']:.3f} | {nbytes / GIB / r['seconds']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -39,3 +39,14 @@ def wait_while(cv: threading.Condition, busy: Callable[[], bool], deadline: floa
                 return False
             cv.wait(left)
     return True
+
+
+def take_batch(queue: list, max_bytes: int) -> list:
+    """Pop items (with ``nbytes``) from the front of ``queue`` up to ``max_bytes``, at least
+    one. A function of its own so that no loop variable of a writer thread keeps the last
+    item, and the buffer it holds, alive while the thread waits for more."""
+    batch, size = [], 0
+    while queue and (not batch or size + queue[0].nbytes <= max_bytes):
+        batch.append(queue.pop(0))
+        size += batch[-1].nbytes
+    return batch

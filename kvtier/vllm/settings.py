@@ -34,6 +34,9 @@ class ConnectorSettings:
     # At start-up, load up to this many bytes of this server's most recently used chunks
     # into the host tier in the background (0: off). At most host_bytes.
     prefetch_bytes: int = 0
+    # How the start-up prefetch reads: kvtier's own reader, or NVIDIA DALI's file reader
+    # (files backend, the `dali` extra).
+    prefetch_reader: str = "default"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -59,5 +62,15 @@ class ConnectorSettings:
             raise ConfigError(
                 f"prefetch_bytes: {prefetch} bytes is more than host_bytes ({cache.host_bytes}); "
                 "prefetched chunks are kept in the host tier, so raise host_bytes or lower prefetch_bytes")
+        reader = mine.get("prefetch_reader", "default")
+        if reader not in ("default", "dali"):
+            raise ConfigError(f"prefetch_reader: must be 'default' or 'dali', got {reader!r}")
+        if reader == "dali":
+            from kvtier.dali_reader import require_dali
+
+            require_dali()
+            if cache.backend != "files":
+                raise ConfigError("prefetch_reader: 'dali' reads record files; it needs \"backend\": \"files\"")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
-                   save_partial_chunks=partial, load_async=load_async, prefetch_bytes=prefetch)
+                   save_partial_chunks=partial, load_async=load_async, prefetch_bytes=prefetch,
+                   prefetch_reader=reader)

@@ -50,3 +50,25 @@ def test_prefetch_reads_the_budget_and_counts_corruption(fresh_store: Built,
 def test_prefetch_bad_budget_is_a_usage_error(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
     r = run_main(capsys, "prefetch", fresh_store.path, "--max-bytes", "lots")
     assert r.returncode == 2 and r.stderr.startswith("kvtier: error: --max-bytes")
+
+
+@pytest.mark.parametrize("fresh_store", ["files"], indirect=True)
+def test_prefetch_through_dali_reads_and_verifies_the_same_records(fresh_store: Built,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """DALI's CPU file reader (the ``dali`` extra, installed by scripts/dev-env.sh)."""
+    b = fresh_store
+    plain = json.loads(run_main(capsys, "prefetch", b.path, "--max-bytes", "1G", "--json").stdout)
+    dali = json.loads(run_main(capsys, "prefetch", b.path, "--max-bytes", "1G", "--json",
+                               "--reader", "dali").stdout)
+    assert (dali["records"], dali["bytes"]) == (plain["records"], plain["bytes"]) == (b.total_chunks, plain["bytes"])
+    before = entries(b.path, b.backend)
+    key = max(before, key=lambda k: (before[k][1], k))
+    corrupt(b.path, b.backend, key, "payload")
+    bad = json.loads(run_main(capsys, "prefetch", b.path, "--max-bytes", "1G", "--json", "--reader", "dali").stdout)
+    assert bad["corrupt_or_unreadable"] == 1 and bad["records"] == b.total_chunks - 1
+
+
+@pytest.mark.parametrize("fresh_store", ["lmdb"], indirect=True)
+def test_prefetch_through_dali_needs_the_files_backend(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_main(capsys, "prefetch", fresh_store.path, "--max-bytes", "1G", "--reader", "dali")
+    assert r.returncode == 2 and "--reader dali reads record files" in r.stderr and "Traceback" not in r.stderr
