@@ -152,3 +152,20 @@ def test_prefetch_bytes_serves_first_hits_from_host_memory(tiny_model: Path, sto
         assert [r.num_cached_tokens for r in got] == [_hits(len(p)) for p in PROMPTS]
     assert runs[None]["hits_disk"] >= 4 and runs[None]["hits_host"] == 0
     assert runs["4M"]["hits_host"] >= 4 and runs["4M"]["hits_disk"] == 5  # the 5 reads were the prefetch
+
+
+def test_prefetch_through_dali_serves_first_hits_from_host_memory(tiny_model: Path, tmp_path: Path,
+                                                                  baseline: list) -> None:
+    """The same with ``prefetch_reader: "dali"`` (files backend; DALI's CPU file reader)."""
+    store = tmp_path / "store"
+    with Engine(tiny_model, kv_transfer_config(store, backend="files"), **F32) as e:
+        e.generate(PROMPTS, max_tokens=1)
+        e.worker_connector._store.flush()
+    extra = {"backend": "files", "prefetch_bytes": "4M", "prefetch_reader": "dali"}
+    with Engine(tiny_model, kv_transfer_config(store, **extra), **F32) as e:
+        assert e.worker_connector.prefetch.result(timeout=120) == 5
+        got = e.generate(PROMPTS, max_tokens=8, logprobs=True)
+        stats = e.worker_connector._store.counters.snapshot()
+    assert [r.tokens for r in got] == [r.tokens for r in baseline]
+    assert [r.num_cached_tokens for r in got] == [_hits(len(p)) for p in PROMPTS]
+    assert stats["hits_host"] >= 4 and stats["hits_disk"] == 5 and stats["corrupt_records"] == 0
