@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
@@ -444,6 +444,25 @@ class ChunkStore:
             self.backend.delete_entry(entry)  # this version only: a rewrite meanwhile stays
         except Exception as exc:
             self._warn.warning("delete", "kvtier: could not remove corrupt record: %s", exc)
+
+    def load_many(self, keys: Sequence[bytes]) -> Iterator[Loaded]:
+        """Load several chunks (into the host tier, as :meth:`load`) in parallel on the I/O
+        pool; yield what happened to each, in order, as each is ready. Never raises for a
+        storage fault (an unexpected exception in a load is an ``IO_ERROR``)."""
+        if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
+            # serial on a pool thread: waiting there for the same pool could deadlock
+            for k in keys:
+                yield self._load_guarded(k)
+            return
+        futures = [self._loads.submit(self._load_guarded, k) for k in keys]
+        for fut in futures:
+            yield fut.result()
+
+    def _load_guarded(self, key: bytes) -> Loaded:
+        try:
+            return self.load(key)
+        except Exception as exc:  # defensive: load() turns storage faults into outcomes
+            return self._failed(Outcome.IO_ERROR, key, exc)
 
     def get_async(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None] | None = None
                   ) -> Future[list[torch.Tensor | None]]:

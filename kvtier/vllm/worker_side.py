@@ -141,21 +141,19 @@ class WorkerSide:
         res = _LoadResult()
         t0 = time.perf_counter()
         want = (len(self.views), 2)
-        for i, chunk in enumerate(spec.chunks):
-            try:
-                data = self.store.get(chunk.keys[self.rank])
-                ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
-                      and data.dtype == self.dtype)
-            except Exception as exc:  # never raise into vLLM: the blocks get recomputed
-                log.warning("kvtier: loading a chunk failed: %s", exc)
-                ok = False
+        # every chunk is read and verified, in parallel on the store's I/O pool, even past a
+        # bad one (unused then: the prefix is broken), so corrupt records are found and
+        # removed now and the recomputed KV replaces them
+        results = self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks])
+        for i, (chunk, loaded) in enumerate(zip(spec.chunks, results, strict=True)):
+            data = loaded.tensor
+            ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
+                  and data.dtype == self.dtype)
             if not ok:
                 for rest in spec.chunks[i:]:
                     res.failed_blocks.extend(rest.block_ids)
-                # Verify the rest too (unused: the prefix is broken) so corrupt records are
-                # found and removed now, and the recomputed KV replaces them.
-                for rest in spec.chunks[i + 1 :]:
-                    self.store.get(rest.keys[self.rank])
+                for _ in results:  # wait for the rest, as said above
+                    pass
                 break
             res.loaded.append((chunk, data))
         res.seconds = time.perf_counter() - t0

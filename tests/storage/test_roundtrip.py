@@ -172,3 +172,21 @@ def test_kv_of_wrong_shape_or_dtype_is_refused(tmp_path: Path) -> None:
             cache.save(toks, make_kv(toks[:-1]))
         with pytest.raises(ValueError, match="dtype"):
             cache.save(toks, make_kv(toks, torch.float16))
+
+
+def test_load_many_reads_in_parallel_and_says_what_happened_to_each(tmp_path: Path) -> None:
+    from kvtier.store import Outcome
+
+    toks = tokens(5, 4 * CHUNK)
+    with open_cache(tmp_path / "s", "files") as cache:
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        keys = [c.key for c in cache.chunks(toks)][:4]
+    victim = next((tmp_path / "s" / "files").rglob(keys[1].hex() + ".*.kvt"))
+    data = bytearray(victim.read_bytes())
+    data[-50] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with ChunkStore(config(tmp_path / "s", "files", host_bytes=0)) as store:
+        got = list(store.load_many([keys[0], keys[1], os.urandom(32), keys[3]]))
+    assert [g.outcome for g in got] == [Outcome.HIT, Outcome.CORRUPT, Outcome.MISS, Outcome.HIT]
+    assert same_bits(got[3].tensor, make_kv(toks[3 * CHUNK:], start=3 * CHUNK))
