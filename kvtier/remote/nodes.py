@@ -134,6 +134,8 @@ class RedisNodes:
             raise NodeUnavailable(self._single_name)
         try:
             info = self._client(*self.address.nodes[0]).info("cluster")
+        except self._redis.ResponseError:  # INFO disabled (some managed services): one server
+            info = {}
         except self._redis.RedisError as exc:
             b.failed()
             raise NodeUnavailable(f"{self._single_name}: {exc}") from exc
