@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,8 @@ def build(root: Path, backend: str, gib: float, prompts: int) -> list[list[int]]
             kv = fill_kv(torch.empty(LAYERS, 2, len(toks), HEADS, DIM, dtype=torch.bfloat16), seed=p)
             cache.save(toks, kv)
             cache.flush()
-        assert cache.stats()["dropped_saves"] == 0, "the store build dropped chunks"
+        stats = cache.stats()
+        assert stats["dropped_saves"] == stats["evicted_disk"] == 0, f"the store build lost chunks: {stats}"
     return seqs
 
 
@@ -97,31 +99,35 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-prefetch-"))
-    kvtier = Path(sys.executable).parent / "kvtier"
-    rows = []
-    for backend in ("lmdb", "files"):
-        root = base / backend
-        seqs = build(root, backend, args.gib, args.prompts)
-        hot = seqs[-1]
-        hot_bytes = len(hot) * LAYERS * 2 * HEADS * DIM * 2
-        cold_ok = drop_caches()
-        cold = load(root, backend, hot)
-        readers = ["default"] + (["dali"] if backend == "files" and dali_available() else [])
-        for reader in readers:
-            drop_caches()
-            t0 = time.perf_counter()
-            subprocess.run([str(kvtier), "prefetch", str(root), "--max-bytes", str(int(hot_bytes * 1.05)),
-                            "--json", "--reader", reader], check=True, capture_output=True)
-            prefetch_s = time.perf_counter() - t0
-            warm = load(root, backend, hot)
-            name = backend if reader == "default" else f"{backend}, DALI reader"
-            rows.append((name, hot_bytes, cold_ok, cold, prefetch_s, warm))
-    host_rows = []
-    if dali_available():
-        root, nbytes = base / "files", rows[0][1]
-        for reader in ("default", "dali"):
-            drop_caches()
-            host_rows.append((reader, nbytes, host_prefetch(root, reader, int(nbytes * 1.05))))
+    try:
+        kvtier = Path(sys.executable).parent / "kvtier"
+        rows = []
+        for backend in ("lmdb", "files"):
+            root = base / backend
+            seqs = build(root, backend, args.gib, args.prompts)
+            hot = seqs[-1]
+            hot_bytes = len(hot) * LAYERS * 2 * HEADS * DIM * 2
+            cold_ok = drop_caches()
+            cold = load(root, backend, hot)
+            readers = ["default"] + (["dali"] if backend == "files" and dali_available() else [])
+            for reader in readers:
+                drop_caches()
+                t0 = time.perf_counter()
+                subprocess.run([str(kvtier), "prefetch", str(root), "--max-bytes", str(int(hot_bytes * 1.05)),
+                                "--json", "--reader", reader], check=True, capture_output=True)
+                prefetch_s = time.perf_counter() - t0
+                warm = load(root, backend, hot)
+                name = backend if reader == "default" else f"{backend}, DALI reader"
+                rows.append((name, hot_bytes, cold_ok, cold, prefetch_s, warm))
+        host_rows = []
+        if dali_available():
+            root, nbytes = base / "files", rows[0][1]
+            for reader in ("default", "dali"):
+                drop_caches()
+                host_rows.append((reader, nbytes, host_prefetch(root, reader, int(nbytes * 1.05))))
+    finally:
+        if not args.dir:  # gigabytes of test data: never leave them behind
+            shutil.rmtree(base, ignore_errors=True)
     print(f"store: {args.gib} GiB in {args.prompts} prompts per backend; first hit = the most recent "
           f"prompt ({rows[0][1] / GIB:.2f} GiB), loaded by a fresh process")
     print("| backend | first load, cold | kvtier prefetch | first load after prefetch | speed-up of the load |")

@@ -527,8 +527,8 @@ class ChunkStore:
         def run() -> int:
             mine = (e for e in self.backend.entries() if e.namespace_id == namespace_id)
             chosen = most_recent(mine, min(max_bytes, self.host.budget))
-            if reader == "default":
-                return sum(self.get(e.key) is not None for e in chosen)
+            if reader == "default":  # several records at once, on the I/O pool
+                return sum(got.outcome is Outcome.HIT for got in self.load_many([e.key for e in chosen]))
             from kvtier.dali_reader import read_files
 
             paths = [str(self.backend.payloads.path_of(e.key, e.location)) for e in chosen]
@@ -540,7 +540,17 @@ class ChunkStore:
                     loaded += self._load_from_backend(chosen[i].key, None, False, data).outcome is Outcome.HIT
             return loaded
 
-        return self._loads.submit(run)
+        # its own thread, not the I/O pool: load_many spreads the reads over that pool
+        done: Future[int] = Future()
+
+        def thread() -> None:
+            try:
+                done.set_result(run())
+            except BaseException as exc:  # reported through the future, like a pool task
+                done.set_exception(exc)
+
+        threading.Thread(target=thread, name="kvtier-prefetch", daemon=True).start()
+        return done
 
     def _touch(self, key: bytes) -> None:
         if not self.readonly:
