@@ -44,29 +44,27 @@ def read_files(paths: Sequence[str], *, threads: int = 4, batch: int = 16) -> It
     from nvidia.dali import fn, pipeline_def
 
     for start in range(0, len(paths), batch):
-        part = [(start + i, p) for i, p in enumerate(paths[start : start + batch]) if os.path.exists(p)]
-        for i in sorted(set(range(start, min(start + batch, len(paths)))) - {i for i, _ in part}):
-            yield i, None
-        if not part:
-            continue
+        idx = range(start, min(start + batch, len(paths)))
+        part = [(i, paths[i]) for i in idx if os.path.exists(paths[i])]
+        got: dict[int, memoryview | None] = {}
+        if part:
 
-        @pipeline_def(batch_size=len(part), num_threads=max(1, threads), device_id=None,
-                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
-        def pipe(files: list[str]):  # noqa: ANN202 - a DALI graph
-            data, _ = fn.readers.file(files=files, random_shuffle=False, name="records")
-            return data
+            @pipeline_def(batch_size=len(part), num_threads=max(1, threads), device_id=None,
+                          prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+            def pipe(files: list[str]):  # noqa: ANN202 - a DALI graph
+                data, _ = fn.readers.file(files=files, random_shuffle=False, name="records")
+                return data
 
-        p = pipe([path for _, path in part])
-        try:
-            p.build()
-            (out,) = p.run()
-        except RuntimeError:  # a file vanished between the check and the read: read what is left
-            for i, path in part:
-                yield i, _read_plain(path)
-            continue
-        for (i, _), j in zip(part, range(len(part)), strict=True):
-            yield i, memoryview(out.at(j)).cast("B")
-        del p, out
+            p = pipe([path for _, path in part])
+            try:
+                p.build()
+                (out,) = p.run()
+                got = {i: memoryview(out.at(j)).cast("B") for j, (i, _) in enumerate(part)}
+            except RuntimeError:  # a file vanished between the check and the read: read what is left
+                got = {i: _read_plain(path) for i, path in part}
+            del p
+        for i in idx:  # in order; a file gone before the batch was read: None
+            yield i, got.get(i)
 
 
 def _read_plain(path: str) -> memoryview | None:

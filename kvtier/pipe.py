@@ -29,11 +29,14 @@ from typing import TYPE_CHECKING
 
 from kvtier import codec
 from kvtier.errors import ConfigError, RecordError
+from kvtier.remote.nodes import NodeUnavailable
 
 if TYPE_CHECKING:
     import torch
 
 _NONE = b"KVTPIPE\x00NONE"
+_SKIP = b"KVTPIPE\x00SKIP"  # a place in the order whose message could not be stored
+_SKIPPED = object()
 _NS = b"kvtier-kv-pipe\x00\x00"  # the records' namespace field (16 bytes)
 _POLL_S = (0.0005, 0.05)  # recv polls from 0.5 ms, backing off to 50 ms
 
@@ -64,19 +67,27 @@ class KVPipe:
     def send_tensor(self, tensor: torch.Tensor | None, tensor_key: str = "") -> None:
         """Queue ``tensor`` (or None) for the consumer; returns once it is stored."""
         self._check_open()
-        which = tensor_key and f"key:{tensor_key}"
-        if not which:
-            which = f"seq:{self._store.next_seq('head')}"
-        key = _message_key(self.name, which)
         if tensor is None:
-            self._store.put(key, _NONE, memoryview(b""))
-            return
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        header, payload = codec.encode(t.contiguous(), key=key, namespace_id=_NS, token_start=0,
-                                       num_tokens=0)
-        self._store.put(key, header, payload)
+            header, payload = _NONE, memoryview(b"")
+        else:  # a tensor kvtier cannot store fails here, before it takes a place in the order
+            t = tensor.detach()
+            if codec.DTYPE_CODES.get(codec.dtype_name(t.dtype)) is None or t.dim() > codec.MAX_NDIM:
+                raise ValueError(f"kvtier pipe: cannot send a {t.dtype} tensor of {t.dim()} dimensions "
+                                 f"(dtypes: {', '.join(codec.DTYPE_CODES)}; at most {codec.MAX_NDIM} dimensions)")
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+        seq = None if tensor_key else self._store.next_seq("head")
+        key = _message_key(self.name, f"key:{tensor_key}" if tensor_key else f"seq:{seq}")
+        if tensor is not None:
+            header, payload = codec.encode(t.contiguous(), key=key, namespace_id=_NS, token_start=0,
+                                           num_tokens=0)
+        try:
+            self._store.put(key, header, payload)
+        except OSError:
+            if seq is not None:  # its place in the order is taken: mark it skipped, or the
+                with contextlib.suppress(OSError):  # consumer would wait for it for ever
+                    self._store.put(key, _SKIP, memoryview(b""))
+            raise
 
     def recv_tensor(self, tensor_key: str = "", timeout: float | None = None) -> torch.Tensor | None:
         """The next tensor (or None) in send order, or the one sent under ``tensor_key``;
@@ -96,15 +107,27 @@ class KVPipe:
             wait = min(wait * 2, _POLL_S[1])
         header, pieces = got
         try:
-            out = None if header == _NONE else codec.decode_pieces(
-                header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
-        finally:
-            self._store.delete(key)
-            if not tensor_key:
-                self._store.next_seq("tail")
+            if header == _SKIP:  # the producer failed to store this one: skip it
+                out: torch.Tensor | None = _SKIPPED
+            else:
+                out = None if header == _NONE else codec.decode_pieces(
+                    header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
+        except RecordError:
+            self._consumed(key, tensor_key)  # a damaged message is gone; the next one follows
+            raise
+        self._consumed(key, tensor_key)
+        if out is _SKIPPED:
+            return self.recv_tensor(tensor_key, None if deadline is None else max(0.0, deadline - time.monotonic()))
         if out is not None and self.device != "cpu":
             out = out.to(self.device)
         return out
+
+    def _consumed(self, key: bytes, tensor_key: str) -> None:
+        """Advance the tail, then delete the message: if the tail cannot be advanced, the
+        message is still there for the next receive (OSError), never lost."""
+        if not tensor_key:
+            self._store.next_seq("tail")
+        self._store.delete(key)
 
     def close(self) -> None:
         if not self._closed:
@@ -157,10 +180,13 @@ class _RedisStore(_Store):
 
     def _counter(self, counter: str, op: str) -> int:
         k = f"kvpipe:{{{self.name}}}:{counter}"
-        ((node, client, _),) = self.tier.nodes.route([k])
-        (reply,) = self.tier.nodes.run(node, client, lambda p: p.incr(k) if op == "incr" else p.get(k))
+        try:
+            ((node, client, _),) = self.tier.nodes.route([k])
+            (reply,) = self.tier.nodes.run(node, client, lambda p: p.incr(k) if op == "incr" else p.get(k))
+        except NodeUnavailable as exc:
+            raise OSError(f"kvtier pipe {self.name!r}: the server is unavailable ({exc})") from exc
         if isinstance(reply, Exception):
-            raise reply
+            raise OSError(f"kvtier pipe {self.name!r}: the server refused a counter update ({reply})")
         return int(reply or 0)
 
     def next_seq(self, counter: str) -> int:

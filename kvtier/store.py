@@ -404,8 +404,7 @@ class ChunkStore:
         except RecordTooLarge as exc:
             return self._failed(Outcome.TOO_LARGE, key, exc)
         except RecordError as exc:
-            self.counters.add(remote_corrupt=1)
-            self.remote.delete(key)
+            self.remote.discard(key, rec)
             return self._failed(Outcome.CORRUPT, key, exc)
         self.counters.add(remote_hits=1, bytes_loaded=t.numel() * t.element_size())
         if not self.readonly:
@@ -482,7 +481,11 @@ class ChunkStore:
             raise ValueError("one destination per key")
 
         def get(k: bytes, o: torch.Tensor) -> torch.Tensor | None:
-            return self.load(k, o, out_is_scratch=True).tensor
+            try:
+                return self.load(k, o, out_is_scratch=True).tensor
+            except Exception as exc:  # a bad destination, or an unexpected fault: ends the prefix
+                self._failed(Outcome.IO_ERROR, k, exc)
+                return None
 
         if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
             # serial on a pool thread: waiting there for the same pool could deadlock

@@ -25,4 +25,4 @@ def open_remote(config: CacheConfig, counters: Counters, *, writer: bool) -> Rem
     return RemoteTier(url=config.remote, password=config.remote_password, tls_ca=config.remote_tls_ca,
                       timeout_s=float(config.remote_timeout_s), part_bytes=int(config.remote_part_bytes),
                       queue_bytes=int(config.remote_queue_bytes), counters=counters,
-                      connections=config.io_threads + 4, writer=writer)
+                      connections=4 * config.io_threads + 8, writer=writer)

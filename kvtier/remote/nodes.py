@@ -225,8 +225,9 @@ class RedisNodes:
                 build(pipe)
                 replies = pipe.execute(raise_on_error=False)
         except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as exc:
-            breaker.failed()
-            self._refresh_later()
+            if "No connection available" not in str(exc):  # our own pool busy: not the node's fault
+                breaker.failed()
+                self._refresh_later()
             raise NodeUnavailable(f"{node}: {exc}") from exc
         breaker.succeeded()
         moved = (self._redis.exceptions.MovedError, self._redis.exceptions.AskError)
@@ -240,3 +241,4 @@ class RedisNodes:
         for c in clients:
             with contextlib.suppress(Exception):  # closing sockets of a dead server
                 c.close()
+                c.connection_pool.disconnect()  # a pool passed in is not closed by close()

@@ -30,7 +30,7 @@ import xxhash
 
 from kvtier.background import RateLimitedLog, take_batch, wait_while
 from kvtier.codec import MAX_HEADER_BYTES
-from kvtier.errors import RecordError
+from kvtier.errors import IncompatibleRecord, RecordError
 from kvtier.metrics import Counters
 from kvtier.remote.address import parse_remote
 from kvtier.remote.nodes import NodeUnavailable, RedisNodes
@@ -50,6 +50,17 @@ for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end
 return table.concat(r)
 """
 _EXISTS_SHA = hashlib.sha1(_EXISTS_LUA.encode()).hexdigest()
+# Delete KEYS (a manifest and parts) only if the manifest still holds ARGV[1].
+_DELETE_IF_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', unpack(KEYS)) end
+return 0
+"""
+
+
+def _transient_errors() -> tuple[type, ...]:
+    from redis import exceptions as e
+
+    return (e.MovedError, e.AskError, e.TryAgainError, e.BusyLoadingError, e.ClusterDownError)
 
 
 def _is_noscript(reply: object) -> bool:
@@ -79,8 +90,10 @@ def unpack_manifest(value: bytes) -> tuple[bytes, int, int, bytes]:
     if xxhash.xxh3_64_intdigest(body) != stored:
         raise RecordError("remote manifest checksum mismatch")
     magic, version, _flags, parts, payload_len, write_id = _MANIFEST.unpack_from(body)
-    if magic != _MAGIC or version != _VERSION:
-        raise RecordError("not a kvtier remote manifest (or another version of it)")
+    if magic != _MAGIC:
+        raise RecordError("not a kvtier remote manifest")
+    if version != _VERSION:  # intact, another kvtier's: a miss here, kept for that kvtier
+        raise IncompatibleRecord(f"remote manifest version {version}, this kvtier reads {_VERSION}")
     if parts < 1:
         raise RecordError("remote manifest names no parts")
     return bytes(body[_MANIFEST.size:]), payload_len, parts, write_id
@@ -93,6 +106,7 @@ class RemoteRecord:
     header: bytes
     pieces: list[bytes]
     part_names: list[str]
+    manifest: bytes = b""  # the manifest value read: deletes check it is still the same
 
 
 @dataclass
@@ -134,13 +148,52 @@ class RemoteTier:
     def _warn(self, kind: str, msg: str, *args: object) -> None:
         self._log.warning(kind, msg, *args)
 
+    def _unexpected(self, what: str, exc: Exception) -> None:
+        """A fault the node layer does not classify (e.g. a non-Redis reply): a miss too."""
+        self.counters.add(remote_errors=1)
+        self._warn("unexpected", "kvtier: remote tier %s: %s failed (%s: %s); treating as a miss",
+                   self.address.describe(), what, type(exc).__name__, exc)
+
     def _unavailable(self, what: str, exc: Exception) -> None:
         self.counters.add(remote_errors=1)
         self._warn("down", "kvtier: remote tier %s unavailable for %s (%s); treating as misses",
                    self.address.describe(), what, exc)
 
     # -- lookups ------------------------------------------------------------------------
+    # -- the public operations never raise: a fault is a miss and a counter ----------------
     def count_present_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the remote tier holds (0 if it cannot say)."""
+        try:
+            return self._count_present_prefix(keys)
+        except Exception as exc:
+            self._unexpected("a lookup", exc)
+            return 0
+
+    def fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
+        """Records for ``keys`` (None: a miss), not yet verified: pass them to
+        :func:`kvtier.codec.decode_pieces`, and one that fails there to :meth:`discard`."""
+        try:
+            return self._fetch_many(keys)
+        except Exception as exc:
+            self._unexpected("a load", exc)
+            return [None] * len(keys)
+
+    def store_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> int:
+        """Store records ``(key, header, payload)`` now; skip those already there. Returns how
+        many were written; failures are counted, never raised."""
+        try:
+            return self._store_many(items)
+        except Exception as exc:
+            self._unexpected("a save", exc)
+            self.counters.add(remote_dropped=len(items))
+            return 0
+
+    def discard(self, key: bytes, record: RemoteRecord) -> None:
+        """A fetched record that failed verification: delete it, unless rewritten since."""
+        self.counters.add(remote_corrupt=1)
+        self.delete(key, expect=record.manifest)
+
+    def _count_present_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the remote tier holds: one command per node (a read-only
         script that checks them all), or one pipeline of EXISTS where scripts are refused."""
         if not keys:
@@ -165,6 +218,8 @@ class RemoteTier:
                 reply = self.nodes.run(node, client, lambda p: p.eval(_EXISTS_LUA, len(names), *names))[0]
             if isinstance(reply, bytes) and len(reply) == len(names):
                 return [c == 0x31 for c in reply]
+            if isinstance(reply, _transient_errors()):  # a slot moving, a busy server: misses now
+                return [False] * len(names)
             # scripts refused (disabled, or a server older than Redis 7): EXISTS from now on
             self._scripts = False
             log.info("kvtier: remote tier %s runs no lookup script (%s); using pipelined EXISTS",
@@ -178,7 +233,7 @@ class RemoteTier:
         server unavailable)."""
         return self.fetch_many([key])[0]
 
-    def fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
+    def _fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
         """Records for ``keys`` in two pipelined round trips per node (manifests, then parts),
         not yet verified: pass them to :func:`kvtier.codec.decode_pieces`, and a record that
         fails there to :meth:`discard_corrupt`."""
@@ -198,47 +253,57 @@ class RemoteTier:
                         continue  # absent, or the command failed on the server: a miss
                     try:
                         header, _, parts, wid = unpack_manifest(value)
+                    except IncompatibleRecord:
+                        continue  # another kvtier version's: a miss, kept
                     except RecordError as exc:
-                        self.discard_corrupt(keys[i], exc)
+                        self.discard_corrupt(keys[i], exc, value)
                         continue
-                    wanted.append((i, header, [part_name(keys[i], wid, j) for j in range(parts)]))
+                    wanted.append((i, value, header, [part_name(keys[i], wid, j) for j in range(parts)]))
                 if not wanted:
                     continue
-                replies = self.nodes.run(node, client, lambda p, w=wanted: [p.get(n) for _, _, ns in w for n in ns])
+                replies = self.nodes.run(node, client, lambda p, w=wanted: [p.get(n) for *_, ns in w for n in ns])
             except NodeUnavailable as exc:
                 self._unavailable("a load", exc)
                 continue
             at = 0
-            for i, header, part_names in wanted:
+            for i, manifest, header, part_names in wanted:
                 pieces = replies[at : at + len(part_names)]
                 at += len(part_names)
                 if all(isinstance(p, bytes) for p in pieces):
-                    out[i] = RemoteRecord(header, pieces, part_names)
-                else:  # a part was evicted: the chunk is gone (hide what is left of it)
+                    out[i] = RemoteRecord(header, pieces, part_names, manifest)
+                elif any(p is None for p in pieces):  # a part was evicted: the chunk is gone
                     self.counters.add(remote_incomplete=1)
-                    self.delete(keys[i])
+                    self.delete(keys[i], expect=manifest)
+                # else an error reply (a slot moving, a busy server): a miss, nothing deleted
         return out
 
-    def discard_corrupt(self, key: bytes, why: Exception) -> None:
-        """A remote record proven damaged: count it and delete it (a miss from now on)."""
+    def discard_corrupt(self, key: bytes, why: Exception, manifest: bytes) -> None:
+        """A remote record proven damaged: count it and delete it (a miss from now on),
+        unless it was rewritten since ``manifest`` was read."""
         self.counters.add(remote_corrupt=1)
         self._warn("corrupt", "kvtier: corrupt remote record %s (%s); removed, will recompute",
                    key.hex()[:16], why)
-        self.delete(key)
+        self.delete(key, expect=manifest)
 
-    def delete(self, key: bytes, part_names: Sequence[str] = ()) -> None:
-        """Hide a chunk (its manifest), and delete ``part_names`` (a fetched record's). Parts
-        not named are left to the server's eviction: another writer's parts may be in use
-        under a newer manifest."""
+    def delete(self, key: bytes, part_names: Sequence[str] = (), *, expect: bytes | None = None) -> None:
+        """Hide a chunk (its manifest), and delete ``part_names`` (a fetched record's). With
+        ``expect``, only if the manifest still holds that value (one script on the node):
+        a copy another server stored meanwhile is kept. Parts not named are left to the
+        server's eviction: another writer's parts may be in use under a newer manifest."""
         names = [manifest_name(key), *part_names]
         try:
             for node, client, _ in self.nodes.route(names[:1]):  # one hash tag: one node
-                self.nodes.run(node, client, lambda p: p.delete(*names))
+                if expect is None:
+                    self.nodes.run(node, client, lambda p: p.delete(*names))
+                else:
+                    self.nodes.run(node, client, lambda p: p.eval(_DELETE_IF_LUA, len(names), *names, expect))
         except NodeUnavailable as exc:
             self._unavailable("a delete", exc)
+        except Exception as exc:  # never raise a remote fault into a load
+            self._unexpected("a delete", exc)
 
     # -- saves ----------------------------------------------------------------------------
-    def store_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> int:
+    def _store_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> int:
         """Store records ``(key, header, payload)`` now; skip those already there. Returns how
         many were written. Failures are counted, never raised."""
         if not items:

@@ -171,12 +171,15 @@ class WorkerSide:
                         scatter_blocks(view, idx, data[li].narrow(1, skip, data.shape[2] - skip),
                                        non_blocking=self.copies.non_blocking)
                     res.tokens += len(chunk.block_ids) * self.block_size
-            self.copies.synchronize()
         except Exception as exc:
             log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
             for chunk, _ in res.loaded:
                 res.failed_blocks.extend(chunk.block_ids)
             res.tokens = 0
+        finally:
+            # always: copies already enqueued must finish before the index buffer is reused
+            # (and before vLLM is told the load is done)
+            self.copies.synchronize()
         res.loaded = []
         res.seconds += time.perf_counter() - t0
 

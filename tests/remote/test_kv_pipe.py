@@ -74,3 +74,31 @@ def test_bad_pipe_names_and_places(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(ConfigError, match="not a directory"):
         KVPipe(tmp_path / "f", "p")
+
+
+def test_a_failed_send_does_not_stall_the_fifo(tmp_path: Path) -> None:
+    """A message that could not be stored (here: the first write fails, as on a full disk or
+    a refusing server) leaves its place marked skipped; the consumer moves on."""
+    with KVPipe(tmp_path, "f") as p:
+        real_put, calls = p._store.put, []
+
+        def failing_once(key: bytes, header: bytes, payload: memoryview) -> None:
+            calls.append(header)
+            if len(calls) == 1:
+                raise OSError("injected: no space left on device")
+            real_put(key, header, payload)
+
+        p._store.put = failing_once
+        with pytest.raises(OSError, match="injected"):
+            p.send_tensor(torch.zeros(8))
+        p.send_tensor(torch.ones(4))
+        assert p.recv_tensor(timeout=2).tolist() == [1.0] * 4  # the failed one is skipped
+        assert len(calls) == 3  # the failed message, its skip marker, the next message
+
+
+def test_unsupported_tensors_are_refused_before_taking_a_place(tmp_path: Path) -> None:
+    with KVPipe(tmp_path, "u") as p:
+        with pytest.raises(ValueError, match="cannot send"):
+            p.send_tensor(torch.zeros(2, dtype=torch.complex64))
+        p.send_tensor(torch.ones(1))
+        assert p.recv_tensor(timeout=1).tolist() == [1.0]

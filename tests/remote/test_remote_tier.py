@@ -229,3 +229,21 @@ def test_without_the_redis_client_a_remote_setting_says_what_to_install(tmp_path
     with pytest.raises(ConfigError, match=r"pip install 'kvtier\[remote\]'"):
         ChunkStore(cfg)
     ChunkStore(CacheConfig(path=tmp_path / "s")).close()  # nothing left half-open
+
+
+def test_a_record_of_another_remote_format_version_is_a_miss_and_kept(tmp_path: Path, redis_server: LocalRedis) -> None:
+    import xxhash
+
+    seq = tokens(9, CHUNK)
+    with open_cache(tmp_path / "a", redis_server.url) as a:
+        a.save(seq, kv_for(seq))
+        a.flush(30)
+    c = redis_server.client()
+    (manifest,) = manifests(c)
+    body = bytearray(c.get(manifest)[:-8])
+    body[4] = 99  # the manifest format version
+    c.set(manifest, bytes(body) + xxhash.xxh3_64_intdigest(bytes(body)).to_bytes(8, "little"))
+    with open_cache(tmp_path / "b", redis_server.url) as b:
+        assert b.load(seq).shape[2] == 0
+        assert b.stats()["remote_corrupt"] == 0
+    assert c.get(manifest) is not None  # another kvtier's record: not deleted
