@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge
+from kvtier.errors import DestinationMismatch, IncompatibleRecord, RecordError, RecordTooLarge
 from kvtier.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_ID_BYTES
 
 if TYPE_CHECKING:  # torch is imported only where tensors are made: the CLI reads headers without it
@@ -307,7 +307,8 @@ def decode_from(
     if out is None:
         dest = alloc(header.shape, header.dtype) if alloc else torch.empty(header.shape, dtype=header.dtype)
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
-        raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
+        raise DestinationMismatch(f"record is {header.dtype}{list(header.shape)}, destination is "
+                                  f"{out.dtype}{list(out.shape)}")
     else:
         dest = out
     view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B")
@@ -340,7 +341,8 @@ def _materialize(header: RecordHeader, pieces: list[memoryview], out: torch.Tens
     if out is None:
         out = alloc(header.shape, header.dtype) if alloc else torch.empty(header.shape, dtype=header.dtype)
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
-        raise RecordError(f"record is {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}")
+        raise DestinationMismatch(f"record is {header.dtype}{list(header.shape)}, destination is "
+                                  f"{out.dtype}{list(out.shape)}")
     # numpy copies: a source may be a read-only view (an LMDB map), which torch cannot wrap.
     if out.device.type == "cpu" and out.is_contiguous():
         dst = out.reshape(-1).view(torch.uint8).numpy()

@@ -36,6 +36,11 @@ class IncompatibleRecord(RecordError):
     """A record is intact but of another record-format version: treated as a miss."""
 
 
+class DestinationMismatch(KVTierError, ValueError):
+    """An intact record does not fit the destination tensor a caller passed (shape or dtype):
+    the caller's mistake, not damage; the record is kept."""
+
+
 class RecordTooLarge(KVTierError):
     """An intact record is larger than this process's ``max_record_bytes``: skipped (a miss),
     never deleted, since another process with a higher limit wrote it and can read it."""

@@ -29,7 +29,13 @@ from kvtier.backends.payloads import ViewReader, oversized
 from kvtier.background import RateLimitedLog, take_batch, wait_while
 from kvtier.buffer_pool import BufferPool
 from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError, IncompatibleRecord, RecordError, RecordTooLarge
+from kvtier.errors import (
+    ConfigError,
+    DestinationMismatch,
+    IncompatibleRecord,
+    RecordError,
+    RecordTooLarge,
+)
 from kvtier.host_tier import HostTier
 from kvtier.metrics import Counters
 from kvtier.remote import RemoteTier, open_remote
@@ -366,7 +372,7 @@ class ChunkStore:
                 t = decode(ViewReader(record))
             else:
                 t = self.backend.read_record(entry, decode)
-        except IncompatibleRecord as exc:
+        except (IncompatibleRecord, DestinationMismatch) as exc:  # intact: kept
             return self._failed(Outcome.INCOMPATIBLE, key, exc)
         except RecordTooLarge as exc:
             return self._failed(Outcome.TOO_LARGE, key, exc)
@@ -399,7 +405,7 @@ class ChunkStore:
             header, t = codec.decode_pieces(rec.header, rec.pieces, expect_key=key, out=out,
                                             alloc=self._load_buffer,
                                             max_record_bytes=self.config.max_record_bytes)
-        except IncompatibleRecord as exc:
+        except (IncompatibleRecord, DestinationMismatch) as exc:  # intact: kept
             return self._failed(Outcome.INCOMPATIBLE, key, exc)
         except RecordTooLarge as exc:
             return self._failed(Outcome.TOO_LARGE, key, exc)

@@ -13,7 +13,7 @@ import zstandard
 from kvhelpers import craft, header_fields, peak_alloc, same_bits
 
 from kvtier import codec
-from kvtier.errors import IncompatibleRecord, RecordError
+from kvtier.errors import DestinationMismatch, IncompatibleRecord, RecordError
 from kvtier.keys import FORMAT_VERSION
 
 KEY = bytes(range(32))
@@ -174,10 +174,12 @@ def test_wrong_key_and_wrong_destination_are_rejected() -> None:
     t, rec = make_record()
     with pytest.raises(RecordError, match="key"):
         codec.decode(rec, expect_key=bytes(32))
-    with pytest.raises(RecordError):
+    # a destination that does not fit is the caller's mistake, not proof of damage
+    with pytest.raises(DestinationMismatch, match="destination is"):
         codec.decode(rec, out=torch.empty((2, 2, 15, 4, 8), dtype=torch.bfloat16))
-    with pytest.raises(RecordError):
+    with pytest.raises(DestinationMismatch):
         codec.decode(rec, out=torch.empty(SHAPE, dtype=torch.float16))
+    assert not issubclass(DestinationMismatch, RecordError)
     assert same_bits(codec.decode(rec, expect_key=KEY)[1], t)
 
 

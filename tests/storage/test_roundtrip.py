@@ -190,3 +190,19 @@ def test_load_many_reads_in_parallel_and_says_what_happened_to_each(tmp_path: Pa
         got = list(store.load_many([keys[0], keys[1], os.urandom(32), keys[3]]))
     assert [g.outcome for g in got] == [Outcome.HIT, Outcome.CORRUPT, Outcome.MISS, Outcome.HIT]
     assert same_bits(got[3].tensor, make_kv(toks[3 * CHUNK:], start=3 * CHUNK))
+
+
+def test_a_destination_of_the_wrong_shape_is_the_callers_mistake_and_the_record_is_kept(tmp_path: Path) -> None:
+    from kvtier.store import Outcome
+
+    toks = tokens(6, CHUNK)
+    with open_cache(tmp_path / "s", "files") as cache:
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        key = cache.chunks(toks)[0].key
+    with ChunkStore(config(tmp_path / "s", "files", host_bytes=0)) as store:
+        wrong = torch.empty(3, dtype=torch.bfloat16)
+        got = store.load(key, wrong)
+        assert got.outcome is Outcome.INCOMPATIBLE and "destination" in got.why
+        assert store.counters.snapshot()["corrupt_records"] == 0
+        assert store.load(key).outcome is Outcome.HIT  # still there
