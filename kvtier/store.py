@@ -463,9 +463,12 @@ class ChunkStore:
         for fut in futures:
             yield fut.result()
 
-    def _load_guarded(self, key: bytes) -> Loaded:
+    def _load_guarded(self, key: bytes, out: torch.Tensor | None = None, *,
+                      out_is_scratch: bool = False) -> Loaded:
+        """:meth:`load` for the I/O pool: an unexpected exception (a destination that does
+        not take the host tier's copy, a bug) is an ``IO_ERROR`` outcome, never raised."""
         try:
-            return self.load(key)
+            return self.load(key, out, out_is_scratch=out_is_scratch)
         except Exception as exc:  # defensive: load() turns storage faults into outcomes
             return self._failed(Outcome.IO_ERROR, key, exc)
 
@@ -487,11 +490,7 @@ class ChunkStore:
             raise ValueError("one destination per key")
 
         def get(k: bytes, o: torch.Tensor) -> torch.Tensor | None:
-            try:
-                return self.load(k, o, out_is_scratch=True).tensor
-            except Exception as exc:  # a bad destination, or an unexpected fault: ends the prefix
-                self._failed(Outcome.IO_ERROR, k, exc)
-                return None
+            return self._load_guarded(k, o, out_is_scratch=True).tensor
 
         if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
             # serial on a pool thread: waiting there for the same pool could deadlock

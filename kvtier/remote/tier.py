@@ -137,16 +137,13 @@ class RemoteTier:
         self._inflight = False
         self._cv = threading.Condition()
         self._closed = False
-        self._log = RateLimitedLog()
+        self._warn = RateLimitedLog().warning  # (kind, msg, *args)
         self._scripts = True  # lookups by script until a server refuses one
         self._writer: threading.Thread | None = None
         if writer:
             self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer",
                                             daemon=True)
             self._writer.start()
-
-    def _warn(self, kind: str, msg: str, *args: object) -> None:
-        self._log.warning(kind, msg, *args)
 
     def _unexpected(self, what: str, exc: Exception) -> None:
         """A fault the node layer does not classify (e.g. a non-Redis reply): a miss too."""

@@ -247,3 +247,16 @@ def test_a_record_of_another_remote_format_version_is_a_miss_and_kept(tmp_path: 
         assert b.load(seq).shape[2] == 0
         assert b.stats()["remote_corrupt"] == 0
     assert c.get(manifest) is not None  # another kvtier's record: not deleted
+
+
+def test_a_chunk_the_server_already_has_is_not_uploaded_again(tmp_path: Path, redis_server: LocalRedis) -> None:
+    """Replicas that compute the same prompt upload it once: the uploader asks first."""
+    kv = kv_for(SEQ)
+    saves = []
+    for name in ("a", "b"):  # two servers, separate disks, the same prompt computed on each
+        with open_cache(tmp_path / name, redis_server.url) as c:
+            c.save(SEQ, kv)
+            assert c.flush(30)
+            saves.append(c.stats()["remote_saves"])
+    assert saves == [5, 0]
+    assert len(manifests(redis_server.client())) == 5
