@@ -19,10 +19,11 @@ from pathlib import Path
 from lmdb import Error as LmdbError
 
 from kvtier.backends.base import Backend, EntryInfo, PutItem, PutResult
+from kvtier.backends.lmdb_check import damaged_store
 from kvtier.backends.payloads import PayloadStore
 from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError, StoreDamaged, StoreError, StoreFormatError
+from kvtier.errors import ConfigError, StoreError, StoreFormatError
 
 log = logging.getLogger("kvtier")
 MARKER = "kvtier-store.json"
@@ -141,10 +142,8 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
         raise _damaged(root, exc) from None
 
 
-def _damaged(root: Path, exc: Exception) -> StoreDamaged:
-    return StoreDamaged(f"{root}: the store's LMDB database cannot be opened ({type(exc).__name__}: {exc}); "
-                        "if its files are damaged, move the directory away or delete it (the cache "
-                        "refills itself); if they are not readable, check their permissions")
+def _damaged(root: Path, exc: Exception) -> Exception:
+    return damaged_store(root, f"{type(exc).__name__}: {exc}")
 
 
 def adopt_settings(backend: Backend, config: CacheConfig) -> None:

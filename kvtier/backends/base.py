@@ -33,11 +33,11 @@ from kvtier.backends.index import (
     iter_unreferenced,
     new_location,
 )
+from kvtier.backends.lmdb_check import damaged_store
 from kvtier.backends.lmdb_env import EnvHandle
 from kvtier.backends.payloads import PayloadStore, PutItem
 from kvtier.codec import RecordReader
 from kvtier.config import CacheConfig
-from kvtier.errors import StoreDamaged
 
 T = TypeVar("T")
 log = logging.getLogger("kvtier")
@@ -239,8 +239,7 @@ class Backend:
             try:
                 self.index.register_namespace(namespace_id, description)
             except lmdb.Error as exc:  # at start-up, like opening: a damaged index is refused
-                raise StoreDamaged(f"{self.root}: the store's index is damaged ({exc}); move the "
-                                   "directory away or delete it (the cache refills itself)") from None
+                raise damaged_store(self.root, f"{type(exc).__name__}: {exc}") from None
 
     def namespaces(self) -> dict[bytes, dict[str, object]]:
         return self.index.namespaces()

@@ -25,6 +25,7 @@ from pathlib import Path
 import lmdb
 
 from kvtier import forksafe
+from kvtier.backends.lmdb_check import damage_report, damaged_store
 
 
 class TxnGate:
@@ -131,12 +132,18 @@ def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, readah
                 raise lmdb.Error(f"{path}: forked during an LMDB transaction; the store cannot "
                                  "be reopened in this process (open it after forking)")
             inherited.close()  # safe: no transaction of it was in flight at the fork
+        # before this process reads a page it cannot trust (an index, read a few pages at a
+        # time, is read whole first: see damage_report)
+        damage = damage_report(path, preread=not readahead)
+        if damage is not None:
+            raise damaged_store(path, damage)
         if not readonly:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = lmdb.open(
             str(path), map_size=map_size, max_dbs=max_dbs, subdir=True, readonly=readonly,
             sync=sync, metasync=sync, readahead=readahead, meminit=False, lock=True, mode=0o600,
         )
+        env.reader_check()  # free reader slots of killed processes (they pin old pages)
         _ENVS[key] = (env, 1)
         return env
 

@@ -16,6 +16,7 @@ import traceback
 import lmdb
 
 import kvtier
+from kvtier.backends.lmdb_check import damaged_store
 from kvtier.cli import compact, evict, inspect, ls, prefetch, stats, verify, warmup
 from kvtier.cli._common import NotFoundError, Parser, UsageError
 from kvtier.errors import ConfigError, KVTierError
@@ -72,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except (NotFoundError, KVTierError) as exc:
         return _fail(f"{exc}", 1)
     except lmdb.Error as exc:
-        return _fail(f"{args.store}: the LMDB database cannot be opened ({exc}); check its "
-                     "permissions, or remove the store directory to start an empty cache", 1)
+        return _fail(str(damaged_store(args.store, f"{type(exc).__name__}: {exc}")), 1)
     except BrokenPipeError:
         # The reader of our output went away (e.g. '| head'): stop quietly, status 1 as
         # rich does for its tables (stdout now goes nowhere so exit cannot fail on flush).

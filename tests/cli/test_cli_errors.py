@@ -27,7 +27,7 @@ CASES: dict[str, tuple[int, tuple[str, ...]]] = {
     "newer_format": (1, ("newer kvtier", "upgrade kvtier")),
     "damaged_marker": (1, ("kvtier-store.json is unreadable", "damaged")),
     "unreadable_marker": (1, ("permission denied", "owner")),
-    "damaged_lmdb": (1, ("LMDB database cannot be opened", "permissions")),
+    "damaged_lmdb": (1, ("LMDB database is damaged or unreadable", "permissions")),
     "bad_size": (2, ("--max-bytes", "cannot read '50Q' as a size", "50G")),
     "bad_budget": (2, ("--budget", "cannot read 'lots' as a size")),
     "bad_age": (2, ("--older-than", "cannot read '7 days' as an age", "7d")),

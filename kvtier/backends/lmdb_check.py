@@ -1,0 +1,168 @@
+"""Check an LMDB environment's pages in a helper process before this process trusts them.
+
+LMDB does not checksum its pages. A damaged page usually makes an operation fail with
+``MDB_CORRUPTED``, but it can also send LMDB's C code through a bad pointer and kill the
+process that reads it (the reliability harness saw it: 3 of 800 damaged-page probes). For a
+vLLM worker that would be the server. So the first time a process opens an environment that
+already exists, a short-lived helper process walks it first: every named database, every
+key and value read in order, and every key searched again from the root (which exercises
+the branch pages a lookup uses). If the helper dies, hangs or LMDB reports damage, the
+environment is damaged and the caller refuses it (``StoreDamaged``) instead of crashing.
+
+This file is also the helper, run as a script in isolated mode (this directory, whose
+``lmdb.py`` would shadow py-lmdb, stays off ``sys.path``). It imports only the standard
+library and ``lmdb``, so the check costs an interpreter start and the walk.
+
+Not covered: LMDB's free-page list (py-lmdb cannot read it; only a writer's commit does), and
+damage done while processes have the environment open.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import lmdb
+
+log = logging.getLogger("kvtier")
+# Exit status of the helper when LMDB itself reported the damage (its message on stderr).
+_DAMAGED = 3
+_READ_WHOLE = 64 << 10
+# Results of successful checks in this process: (pid, path) -> the data file's identity.
+_CHECKED: dict[tuple[int, str], tuple[int, int, int]] = {}
+_CHECKED_LOCK = threading.Lock()
+
+
+def damaged_store(path: Path, reason: str) -> Exception:
+    """The error for an LMDB environment (or its store) that cannot be trusted or opened."""
+    from kvtier.errors import StoreDamaged  # (not at the top: the helper runs without kvtier)
+
+    return StoreDamaged(f"{path}: the store's LMDB database is damaged or unreadable ({reason}); if its "
+                        "files are damaged, move the store directory away or delete it (the cache "
+                        "refills itself); if they are not readable, check their permissions")
+
+
+def _file_identity(data: Path) -> tuple[int, int, int]:
+    st = data.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _timeout_s(data: Path) -> float:
+    # generous: a slow disk must not make an intact store look damaged (reading 32 MiB/s)
+    return 60.0 + data.stat().st_size / (32 << 20)
+
+
+def damage_report(path: Path, *, preread: bool = False) -> str | None:
+    """Why the LMDB environment at ``path`` cannot be trusted, or None if its pages read
+    back sound (or it does not exist yet). A result is remembered while the data file is
+    unchanged, so a process pays for one check per environment.
+
+    ``preread``: read the data file front to back before the walk (for an index, whose pages
+    the walk would otherwise fault in 4 KiB at a time from a cold disk, and which lookups
+    want in the page cache anyway); not for payloads, of which the walk reads little."""
+    data = path / "data.mdb"
+    try:
+        ident = _file_identity(data)
+    except OSError:  # not created yet, or unreadable: opening it reports that
+        return None
+    key = (os.getpid(), str(path))
+    with _CHECKED_LOCK:
+        if _CHECKED.get(key) == ident:
+            return None
+    timeout = _timeout_s(data)
+    try:
+        proc = subprocess.run(_helper_command(path, preread), stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"checking its pages did not finish in {timeout:.0f} s"
+    except OSError as exc:  # no interpreter to run (an embedded Python): open unchecked
+        log.warning("kvtier: cannot check the pages of %s (%s); opening it unchecked", path, exc)
+        return None
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        return f"reading its pages crashed the checking process ({name})"
+    if proc.returncode == _DAMAGED:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "LMDB reported damage"
+    if proc.returncode != 0:  # the helper could not run (not the store's fault): open as before
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        log.warning("kvtier: cannot check the pages of %s (the helper exited with %d: %s); opening it "
+                    "unchecked", path, proc.returncode, lines[-1] if lines else "")
+        return None
+    with _CHECKED_LOCK:
+        _CHECKED[key] = ident
+    return None
+
+
+def _helper_command(path: Path, preread: bool) -> list[str]:
+    # isolated (-I: no environment variables, no current directory on sys.path), with the
+    # directory this process imported py-lmdb from, so the helper finds the same one
+    boot = "import sys, runpy; sys.path.insert(0, sys.argv[1]); runpy.run_path(sys.argv[2], run_name='__main__')"
+    return [sys.executable, "-I", "-c", boot, str(Path(lmdb.__file__).resolve().parent.parent),
+            str(Path(__file__).resolve()), *(["--preread"] if preread else []), str(path)]
+
+
+def _preread(data: str) -> None:
+    buf = bytearray(8 << 20)
+    with open(data, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def _open_db(env: lmdb.Environment, txn: lmdb.Transaction, name: bytes) -> object:
+    try:
+        return env.open_db(name, txn=txn, create=False)
+    except lmdb.IncompatibleError:  # a dupsort database must be opened as one
+        return env.open_db(name, txn=txn, create=False, dupsort=True)
+
+
+def walk(path: str) -> int:
+    """Read every page a reader can reach (in the helper process); the number of rows."""
+    env = lmdb.open(path, readonly=True, lock=True, max_dbs=64, subdir=True, readahead=False,
+                    map_size=0)
+    rows = 0
+    try:
+        with env.begin(buffers=True) as txn:
+            names = [bytes(k) for k in txn.cursor().iternext(values=False)]
+            for name in names:
+                db = _open_db(env, txn, name)
+                dupsort = bool(db.flags(txn)["dupsort"])  # type: ignore[attr-defined]
+                order, search = txn.cursor(db), txn.cursor(db)
+                for k, v in order.iternext(keys=True, values=True):
+                    bytes(k)
+                    # a damaged length sends a reader past the map: read small values whole,
+                    # the first and last byte of large ones (payloads: not gigabytes)
+                    if len(v) <= _READ_WHOLE:
+                        bytes(v)
+                    else:
+                        v[0], v[-1]  # noqa: B018
+                    found = search.set_key_dup(k, v) if dupsort else search.set_key(k)
+                    if not found:
+                        raise lmdb.CorruptedError(f"{name!r}: a key read in order is not found by a search")
+                    rows += 1
+    finally:
+        env.close()
+    return rows
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        if "--preread" in argv:
+            _preread(os.path.join(argv[-1], "data.mdb"))
+        walk(argv[-1])
+    except lmdb.Error as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return _DAMAGED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv))
