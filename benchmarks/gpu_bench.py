@@ -16,7 +16,9 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
 - save: a prefill step saving ``--chunks`` chunks (every layer's ``save_layer``, then
   ``wait_for_save``), GB/s and its ratio to raw D2H;
 - load from the host tier and from a cold disk (page cache evicted), GB/s, and the ratios to
-  raw H2D and to reading the same record files straight from disk;
+  raw H2D and to reading the same record files straight from disk (a buffered sequential
+  read); cold loads twice: through the page cache (the default) and with ``direct_reads``
+  (``O_DIRECT`` into pooled buffers);
 - the wall-time overhead of saving on a simulated forward pass (a matmul per layer on the
   compute stream): prefill saving ``--chunks`` chunks, and decode saving one;
 - buffers allocated during the measured (warm) steps: pool slots and index buffers.
@@ -185,13 +187,17 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
             # cold loads: host tier emptied, record files evicted from the page cache
             files = [p for p in (root / content / "files").rglob("*.kvt")]
             mine = [f for f in files if any(f.name.startswith(k[0].hex()) for k in keys)]
-            cold = float("inf")
-            for _ in range(repeat):
-                store.host.clear()
-                for f in mine:
-                    evict(f)
-                cold = min(cold, timed(load_all, device, 1))
-            out["cold_load_gbs"] = chunks * g.chunk_bytes / cold / 1e9
+            payloads = store.backend.payloads
+            for direct in (False, True):  # side by side: through the page cache (the default), O_DIRECT
+                payloads.direct_reads = direct
+                cold = float("inf")
+                for _ in range(repeat):
+                    store.host.clear()
+                    for f in mine:
+                        evict(f)
+                    cold = min(cold, timed(load_all, device, 1))
+                out["cold_load_direct_gbs" if direct else "cold_load_gbs"] = chunks * g.chunk_bytes / cold / 1e9
+            payloads.direct_reads = False
             out["disk_read_gbs"] = raw_disk_read(mine)
 
             # overhead on a simulated forward pass
@@ -224,8 +230,8 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
         measure()
         out["allocations_when_warm"] = sum(a - b for a, b in zip(counts(), before, strict=True))
         # the pool grows to a peak that depends on how far the writer lags (bounded by its cap)
-        out["pool_slots"] = store.pool.allocated_bytes // max(1, store.pool.slot_bytes)
-        out["pool_cap_slots"] = store.pool.cap_bytes // max(1, store.pool.slot_bytes)
+        out["pool_slots"] = store.pool.allocated_bytes // max(1, store.pool.chunk_bytes)
+        out["pool_cap_slots"] = store.pool.cap_bytes // max(1, store.pool.chunk_bytes)
         out["dropped_saves"] = store.counters.snapshot()["dropped_saves"]
         worker.close()
     return out
@@ -269,12 +275,14 @@ def main() -> None:
           f"{chunks} chunks per prefill step")
     print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)\n")
     print("| content | save GB/s (vs D2H) | host-tier load GB/s (vs H2D) | cold load GB/s (vs disk read) "
-          "| prefill overhead | decode overhead | buffers allocated when warm (pool slots / cap) |")
-    print("|---|---|---|---|---|---|---|")
+          "| cold load with direct_reads (O_DIRECT) | prefill overhead | decode overhead "
+          "| buffers allocated when warm (pool slots / cap) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['content']} | {r['save_gbs']:.2f} ({r['save_gbs'] / d2h:.2f}x) "
               f"| {r['host_load_gbs']:.2f} ({r['host_load_gbs'] / h2d:.2f}x) "
               f"| {r['cold_load_gbs']:.2f} ({r['cold_load_gbs'] / r['disk_read_gbs']:.2f}x of {r['disk_read_gbs']:.2f}) "
+              f"| {r['cold_load_direct_gbs']:.2f} ({r['cold_load_direct_gbs'] / r['disk_read_gbs']:.2f}x) "
               f"| {100 * r['overhead_prefill']:+.1f}% of {r['forward_prefill_ms']:.1f} ms "
               f"| {100 * r['overhead_decode']:+.1f}% of {r['forward_decode_ms']:.1f} ms "
               f"| {r['allocations_when_warm']} ({r['pool_slots']} / {r['pool_cap_slots']}) |")

@@ -20,12 +20,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+_PAGE = 4096
 
 class BufferPool:
     def __init__(self, cap_bytes: int, *, pin: bool | None = None) -> None:
         self.cap_bytes = cap_bytes
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self.slot_bytes = 0
+        self.chunk_bytes = 0  # the largest chunk asked for: what each slot counts against the cap
+        self.slot_bytes = 0  # what each slot takes: chunk_bytes in whole pages, plus one
         self._free: list[np.ndarray] = []
         self._slots = 0  # slots of the current size that exist (free or in use)
         self._lock = threading.Lock()
@@ -33,43 +35,55 @@ class BufferPool:
 
     @property
     def allocated_bytes(self) -> int:
-        return self._slots * self.slot_bytes
+        """Chunk bytes the slots that exist hold (what the cap bounds)."""
+        return self._slots * self.chunk_bytes
 
     @property
     def free_slots(self) -> int:
         return len(self._free)
 
     def acquire(self, shape: tuple[int, ...], dtype: torch.dtype,
-                reclaim: Callable[[], bool] | None = None) -> torch.Tensor | None:
+                reclaim: Callable[[], bool] | None = None, *, lead: int = 0) -> torch.Tensor | None:
         """A tensor of ``shape`` and ``dtype`` on a pooled slot, or None if the pool is full.
 
         ``reclaim`` is called while the pool is full to let a holder of slots release one
         (e.g. the host tier evicting its least recently used chunk); it returns False when
         it has nothing left to give.
+
+        ``lead`` (less than a page, a multiple of the element size): the tensor starts that
+        many bytes into its storage, which starts on a page and runs to the slot's end. A
+        record read whole into the storage (header first) then leaves its payload exactly in
+        the tensor: what lets a file be read with ``O_DIRECT`` straight into a pooled slot.
         """
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        if not 0 <= lead < _PAGE or lead % itemsize:
+            raise ValueError(f"lead {lead}: must be below {_PAGE} and a multiple of {itemsize}")
         while True:
             slot = self._take(nbytes)
             if slot is not None:
                 break
             if reclaim is None or not reclaim():
                 return None
-        view = slot[:nbytes]  # a new array object per use: its death returns the slot
+        view = slot[:] if lead else slot[:nbytes]  # a new array object per use: its death returns the slot
         weakref.finalize(view, self._give_back, slot)
-        t = torch.from_numpy(view)  # the tensor's storage keeps ``view`` alive
+        t = torch.from_numpy(view)[lead : lead + nbytes]  # the storage keeps ``view`` alive
         return t.view(dtype).view(shape) if nbytes else t.view(dtype).reshape(shape)
 
     def _take(self, nbytes: int) -> np.ndarray | None:
         with self._lock:
-            if nbytes > self.slot_bytes:
+            if nbytes > self.chunk_bytes:
                 # a larger chunk than any so far: from now on slots have its size (the free
-                # smaller ones are dropped; those in use are dropped when they come back)
+                # smaller ones are dropped; those in use are dropped when they come back),
+                # in whole pages and one more (room for a record's header before it)
                 self._free.clear()
                 self._slots = 0
-                self.slot_bytes = nbytes
+                self.chunk_bytes = nbytes
+                self.slot_bytes = -(-nbytes // _PAGE) * _PAGE + _PAGE
             if self._free:
                 return self._free.pop()
-            if (self._slots + 1) * self.slot_bytes > self.cap_bytes:
+            # the cap counts chunks: a slot's spare page (or two) is not charged to it
+            if (self._slots + 1) * self.chunk_bytes > self.cap_bytes:
                 return None
             self._slots += 1
             size = self.slot_bytes
@@ -82,7 +96,10 @@ class BufferPool:
         return slot
 
     def _new_slot(self, size: int) -> np.ndarray:
-        t = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        # page-aligned (pinned memory is; the CPU allocator aligns to 64 bytes): for O_DIRECT
+        t = torch.empty(size + _PAGE, dtype=torch.uint8, pin_memory=self.pin)
+        start = -t.data_ptr() % _PAGE
+        t = t[start : start + size]
         t.zero_()  # touch every page now, once, not on each use
         self.created += 1
         return t.numpy()

@@ -282,20 +282,48 @@ class RecordReader(Protocol):
     def whole(self) -> memoryview:
         """The whole record (a view valid until the read ends)."""
 
+    def fill_record(self, region: memoryview, offset: int) -> None:
+        """Fill ``region[offset:size]`` with the record's bytes at the same offsets. ``region``
+        stands for the whole record from its first byte, starts on a page and runs at least
+        to ``size`` rounded up to a page; the reader may write all of it (the record's own
+        bytes before ``offset``, anything past ``size``), e.g. to read whole pages with
+        ``O_DIRECT``. RecordError if the record ends first."""
+
+
+PAGE = 4096
+
+
+def record_region(dest: torch.Tensor, header_len: int, size: int) -> memoryview | None:
+    """The memory of ``dest``'s storage as :meth:`RecordReader.fill_record` wants it, if
+    ``dest`` sits ``header_len`` bytes into a page-aligned storage with room for the whole
+    record in whole pages (a pooled buffer asked for with ``lead``); else None."""
+    import torch
+
+    st = dest.untyped_storage()
+    if (dest.device.type != "cpu" or dest.storage_offset() * dest.element_size() != header_len
+            or st.nbytes() < -(-size // PAGE) * PAGE or st.data_ptr() % PAGE):
+        return None
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(st).numpy()).cast("B")
+
 
 def decode_from(
     reader: RecordReader,
     *,
     expect_key: bytes | None = None,
     out: torch.Tensor | None = None,
-    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    alloc: Callable[..., torch.Tensor] | None = None,
     max_record_bytes: int = 1 << 30,
     out_is_scratch: bool = False,
 ) -> tuple[RecordHeader, torch.Tensor]:
     """:func:`decode` for a record read through ``reader``. An uncompressed payload headed for
     a new tensor (no ``out``), or for an ``out`` the caller marks as scratch (its contents
     are unspecified unless this returns), is read straight into it and verified there: one
-    copy from the storage instead of two. Any other ``out`` is written only once verified."""
+    copy from the storage instead of two. Any other ``out`` is written only once verified.
+
+    ``alloc(shape, dtype, lead=n)`` makes the new tensor; asked with ``lead`` the header's
+    length, it may place the tensor that far into a page-aligned buffer (see
+    :func:`record_region`), and the reader then reads the whole record into that buffer,
+    which lets a file be read with ``O_DIRECT``."""
     header = decode_header(reader.head, max_record_bytes=max_record_bytes, record_len=reader.size)
     _check_key(header, expect_key)
     direct = out is None or (out_is_scratch and out.device.type == "cpu" and out.is_contiguous())
@@ -304,15 +332,21 @@ def decode_from(
                       max_record_bytes=max_record_bytes)
     import torch
 
+    region = None
     if out is None:
-        dest = alloc(header.shape, header.dtype) if alloc else torch.empty(header.shape, dtype=header.dtype)
+        lead = header.header_len if header.header_len % header.dtype.itemsize == 0 else 0
+        dest = alloc(header.shape, header.dtype, lead=lead) if alloc else torch.empty(header.shape, dtype=header.dtype)
+        region = record_region(dest, header.header_len, reader.size) if lead else None
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise DestinationMismatch(f"record is {header.dtype}{list(header.shape)}, destination is "
                                   f"{out.dtype}{list(out.shape)}")
     else:
         dest = out
     view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B")
-    reader.fill(view, header.header_len)
+    if region is not None:
+        reader.fill_record(region, header.header_len)
+    else:
+        reader.fill(view, header.header_len)
     if xxhash.xxh3_128_digest(view) != header.checksum:
         raise RecordError("payload checksum mismatch")
     return header, dest

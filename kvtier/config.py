@@ -42,6 +42,9 @@ class CacheConfig:
     compression: str = "none"
     compression_level: int = 3
     io_threads: int = 4
+    # files backend: read record files the page cache does not hold with O_DIRECT, straight
+    # into pooled buffers (docs/configuration.md says when it pays)
+    direct_reads: bool = False
     commit_bytes: int | str = "256M"
     max_record_bytes: int | str = "1G"
     close_timeout_s: float = 30.0
@@ -89,6 +92,8 @@ class CacheConfig:
         _choice("compression", self.compression, COMPRESSION)
         _positive_int("chunk_tokens", self.chunk_tokens)
         _positive_int("io_threads", self.io_threads)
+        if not isinstance(self.direct_reads, bool):
+            raise ConfigError(f"direct_reads: must be true or false, got {self.direct_reads!r}")
         if isinstance(self.compression_level, bool) or not isinstance(self.compression_level, int) or not 1 <= self.compression_level <= 22:
             raise ConfigError(f"compression_level: must be an integer from 1 to 22, got {self.compression_level!r}")
         self.host_bytes = parse_size(self.host_bytes, "host_bytes")

@@ -424,9 +424,10 @@ class ChunkStore:
             self.counters.add(evicted_host=self.host.put(key, t))
         return Loaded(Outcome.HIT, t)
 
-    def _load_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Where a chunk loaded for the host tier is decoded: a pooled buffer if one is free."""
-        t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest)
+    def _load_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, lead: int = 0) -> torch.Tensor:
+        """Where a chunk loaded for the host tier is decoded: a pooled buffer if one is free
+        (``lead``: see :meth:`BufferPool.acquire`)."""
+        t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest, lead=lead)
         return t if t is not None else torch.empty(shape, dtype=dtype)
 
     _FAILURES = {

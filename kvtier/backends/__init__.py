@@ -48,7 +48,8 @@ def _make_backend(root: Path, config: CacheConfig, readonly: bool) -> Backend:
     else:
         from kvtier.backends.files import FilePayloads
 
-        payloads = FilePayloads(root, config.durability, config.io_threads, max_read, readonly=readonly)
+        payloads = FilePayloads(root, config.durability, config.io_threads, max_read, readonly=readonly,
+                                direct_reads=config.direct_reads)
     try:
         return Backend(root, config, payloads, readonly=readonly)
     except BaseException:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -60,7 +61,7 @@ class FilePayloads(PayloadStore):
     name = "files"
 
     def __init__(self, root: Path, durability: str, io_threads: int, max_record_bytes: int,
-                 *, readonly: bool = False) -> None:
+                 *, readonly: bool = False, direct_reads: bool = False) -> None:
         self.root = root
         self.durability = durability
         self.io_threads = io_threads
@@ -76,6 +77,9 @@ class FilePayloads(PayloadStore):
         self._stage: list[mmap.mmap] = []  # O_DIRECT staging buffers, reused across batches
         # None = not tried yet; False after the filesystem refused O_DIRECT (e.g. old tmpfs)
         self._direct_write: bool | None = None
+        # Reads of what the page cache does not hold use O_DIRECT into the caller's buffer
+        # (see _FileReader.fill_record); turned off if the filesystem refuses it.
+        self.direct_reads = direct_reads
         self._pool: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -286,7 +290,9 @@ class FilePayloads(PayloadStore):
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss
         try:
-            return fn(_FileReader(fd, self._buf, self.max_record_bytes))
+            if self.direct_reads:  # the header's read must not read ahead what O_DIRECT will read
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            return fn(_FileReader(fd, self._buf, self.max_record_bytes, self, self._inside(entry.key, entry.location)))
         finally:
             os.close(fd)
 
@@ -362,10 +368,13 @@ def _read_full(fd: int, view: memoryview, offset: int = 0) -> int:
 class _FileReader:
     """A :class:`~kvtier.codec.RecordReader` on an open record file."""
 
-    def __init__(self, fd: int, buf: ThreadBuffer, max_record_bytes: int) -> None:
+    def __init__(self, fd: int, buf: ThreadBuffer, max_record_bytes: int,
+                 owner: FilePayloads | None = None, path: str = "") -> None:
         self.fd = fd
         self.size = os.fstat(fd).st_size
         self._buf = buf
+        self._owner = owner
+        self._path = path
         head = bytearray(min(self.size, MAX_HEADER_BYTES))
         self.head = memoryview(head)[: _read_full(fd, memoryview(head))]
         if self.size > max_record_bytes:  # never size a buffer by it
@@ -378,6 +387,83 @@ class _FileReader:
     def whole(self) -> memoryview:
         view = self._buf.get(self.size)
         return view[: _read_full(self.fd, view)]
+
+    def fill_record(self, region: memoryview, offset: int) -> None:
+        """A record the page cache holds whole (a prefetch warmed it) is copied from it; any
+        other is read from the disk with ``O_DIRECT`` straight into ``region``, in whole
+        pages: no second copy, and the page cache is not filled with chunks the host tier
+        keeps anyway. Whatever that cannot read is read buffered."""
+        pos = offset
+        if (self._owner is not None and self._owner.direct_reads
+                and cached_pages(self.fd, offset, self.size) < _pages(offset, self.size)):
+            pos = self._read_direct(region, offset)
+        if pos < self.size:
+            self.fill(region[pos : self.size], pos)
+
+    def _read_direct(self, region: memoryview, pos: int) -> int:
+        """Read from the page holding ``pos`` to the end with O_DIRECT; how far it got."""
+        end = _round_up(self.size)
+        start = pos // _ALIGN * _ALIGN
+        if len(region) < end or np.frombuffer(region, dtype=np.uint8).ctypes.data % _ALIGN:
+            return pos
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and self._owner is not None:
+                self._owner.direct_reads = False  # not on this filesystem: buffered from now on
+            return pos
+        got = start
+        try:
+            while got < self.size:
+                n = os.preadv(fd, [region[got:end]], got)
+                if n <= 0:
+                    break
+                got += n
+        except OSError as exc:  # (e.g. EINVAL after a short read left an unaligned offset)
+            if exc.errno != errno.EINVAL:
+                raise
+        finally:
+            os.close(fd)
+        return min(got, self.size)
+
+
+def _pages(start: int, end: int) -> int:
+    return max(0, _round_up(end) - start // _ALIGN * _ALIGN) // _ALIGN
+
+
+def cached_pages(fd: int, start: int, end: int) -> int:
+    """How many of the pages holding bytes ``[start, end)`` of the file the page cache holds
+    (``mincore`` on a mapping of them: no read, no readahead); 0 where that cannot be asked."""
+    first = start // _ALIGN * _ALIGN
+    length = _round_up(end) - first
+    if length <= 0 or _LIBC is None:
+        return 0
+    addr = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, first)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return 0
+    try:
+        vec = (ctypes.c_ubyte * (length // _ALIGN))()
+        if _LIBC.mincore(ctypes.c_void_p(addr), length, vec) != 0:
+            return 0
+        return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum())
+    finally:
+        _LIBC.munmap(ctypes.c_void_p(addr), length)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
 
 
 def _unlink_quiet(path: str) -> None:

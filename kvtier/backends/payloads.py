@@ -107,6 +107,9 @@ class ViewReader:
     def whole(self) -> memoryview:
         return self.view
 
+    def fill_record(self, region: memoryview, offset: int) -> None:
+        self.fill(region[offset : self.size], offset)
+
 
 def oversized(head: bytes | memoryview, size: int, limit: int) -> Exception:
     """What a record of ``size`` bytes, over this process's ``limit``, is (judged by its first

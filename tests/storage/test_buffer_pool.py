@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pytest
 import torch
 from kvhelpers import CHUNK, make_kv, open_cache, same_bits, tokens
 
@@ -41,7 +42,23 @@ def test_a_slot_returns_only_when_nothing_uses_it() -> None:
     assert small is not None and small.shape == (2, 2, 8, 4, 32)
     del small, d
     assert pool.acquire((2, 2, 2 * CHUNK, 4, 32), torch.bfloat16) is not None
-    assert pool.slot_bytes == 2 * CHUNK_BYTES
+    assert pool.chunk_bytes == 2 * CHUNK_BYTES
+
+
+def test_a_slot_can_hold_a_whole_record_for_direct_reads() -> None:
+    """``lead``: the tensor starts that far into a page-aligned storage that has room for
+    the record's header before it and whole pages after it (what O_DIRECT needs)."""
+    pool = BufferPool(2 * CHUNK_BYTES, pin=False)
+    t = pool.acquire(SHAPE, torch.bfloat16, lead=164)
+    assert t is not None and t.shape == SHAPE and t.is_contiguous()
+    st = t.untyped_storage()
+    assert st.data_ptr() % 4096 == 0 and t.storage_offset() * 2 == 164
+    assert st.nbytes() >= -(-(164 + CHUNK_BYTES) // 4096) * 4096
+    plain = pool.acquire(SHAPE, torch.bfloat16)  # the cap counts chunks, not the spare pages
+    assert plain is not None and plain.untyped_storage().data_ptr() % 4096 == 0
+    assert pool.allocated_bytes == 2 * CHUNK_BYTES
+    with pytest.raises(ValueError, match="lead"):
+        pool.acquire(SHAPE, torch.bfloat16, lead=163)  # not a whole element
 
 
 def test_the_host_tier_gives_buffers_back_when_the_pool_is_full() -> None:

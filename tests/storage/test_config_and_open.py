@@ -32,6 +32,7 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
     ({"chunk_tokens": 0}, "chunk_tokens"),
     ({"chunk_tokens": "256"}, "chunk_tokens"),
     ({"io_threads": -1}, "io_threads"),
+    ({"direct_reads": "yes"}, "direct_reads"),
     ({"path": ""}, "path"),
 ]
 
