@@ -18,7 +18,7 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
 - load from the host tier and from a cold disk (page cache evicted), GB/s, and the ratios to
   raw H2D and to reading the same record files straight from disk (a buffered sequential
   read); cold loads twice: through the page cache (the default) and with ``direct_reads``
-  (``O_DIRECT`` into pooled buffers);
+  (``O_DIRECT`` into pooled buffers), with the process's CPU seconds per GB loaded of each;
 - the wall-time overhead of saving on a simulated forward pass (a matmul per layer on the
   compute stream): prefill saving ``--chunks`` chunks, and decode saving one;
 - buffers allocated during the measured (warm) steps: pool slots and index buffers.
@@ -190,13 +190,17 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
             payloads = store.backend.payloads
             for direct in (False, True):  # side by side: through the page cache (the default), O_DIRECT
                 payloads.direct_reads = direct
-                cold = float("inf")
+                cold, cpu = float("inf"), float("inf")
                 for _ in range(repeat):
                     store.host.clear()
                     for f in mine:
                         evict(f)
+                    c0 = time.process_time()
                     cold = min(cold, timed(load_all, device, 1))
-                out["cold_load_direct_gbs" if direct else "cold_load_gbs"] = chunks * g.chunk_bytes / cold / 1e9
+                    cpu = min(cpu, time.process_time() - c0)
+                name = "cold_load_direct" if direct else "cold_load"
+                out[f"{name}_gbs"] = chunks * g.chunk_bytes / cold / 1e9
+                out[f"{name}_cpu_s_per_gb"] = cpu / (chunks * g.chunk_bytes / 1e9)
             payloads.direct_reads = False
             out["disk_read_gbs"] = raw_disk_read(mine)
 
@@ -282,7 +286,8 @@ def main() -> None:
         print(f"| {r['content']} | {r['save_gbs']:.2f} ({r['save_gbs'] / d2h:.2f}x) "
               f"| {r['host_load_gbs']:.2f} ({r['host_load_gbs'] / h2d:.2f}x) "
               f"| {r['cold_load_gbs']:.2f} ({r['cold_load_gbs'] / r['disk_read_gbs']:.2f}x of {r['disk_read_gbs']:.2f}) "
-              f"| {r['cold_load_direct_gbs']:.2f} ({r['cold_load_direct_gbs'] / r['disk_read_gbs']:.2f}x) "
+              f"| {r['cold_load_direct_gbs']:.2f} ({r['cold_load_direct_gbs'] / r['disk_read_gbs']:.2f}x); CPU-s/GB "
+              f"{r['cold_load_direct_cpu_s_per_gb']:.2f} vs {r['cold_load_cpu_s_per_gb']:.2f} "
               f"| {100 * r['overhead_prefill']:+.1f}% of {r['forward_prefill_ms']:.1f} ms "
               f"| {100 * r['overhead_decode']:+.1f}% of {r['forward_decode_ms']:.1f} ms "
               f"| {r['allocations_when_warm']} ({r['pool_slots']} / {r['pool_cap_slots']}) |")
