@@ -226,10 +226,18 @@ def w_kv_load(p: Params) -> Result:
             bufs = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(p["n_chunks"])]
         cold = evict(p["dir"])
         t0 = time.perf_counter()
-        cache = KVCache.open(p["dir"], _namespace(p), _config(p))
+        host = {"host_bytes": total + (64 << 20), "direct_reads": mode == "host_tier_direct"} \
+            if mode.startswith("host_tier") else {}
+        cache = KVCache.open(p["dir"], _namespace(p), _config(p, **host))
         t1 = time.perf_counter()
         if mode == "load":
             out = cache.load(tokens)
+        elif mode.startswith("host_tier"):  # the connector's path: into the host tier's pooled buffers
+            loaded = list(cache.store.load_many([c.key for c in cache.chunks(tokens)]))
+            if any(x.tensor is None for x in loaded):
+                raise RuntimeError(f"{sum(x.tensor is None for x in loaded)} chunks missing")
+            out = torch.cat([x.tensor for x in loaded], dim=2)
+            del loaded
         else:
             keys = [c.key for c in cache.chunks(tokens)]
             if mode == "get_into":
@@ -244,7 +252,7 @@ def w_kv_load(p: Params) -> Result:
         t2 = time.perf_counter()
         stats = cache.stats()
         cache.close()
-        if mode != "load":
+        if bufs:
             out = torch.cat(bufs, dim=2)
         del bufs
         _, ref = _source(p)
@@ -445,6 +453,8 @@ def collect(args: argparse.Namespace) -> Result:
                     out["store"].setdefault(name, []).append(r)
                     if dur == "power" and r and not r.get("failed"):
                         modes = ["load", "get_into", "get_parallel"] if comp == "none" else ["load"]
+                        if comp == "none" and backend == "files":
+                            modes += ["host_tier", "host_tier_direct"]
                         loads = runner.kvtier(f"load {name} {'+'.join(modes)} {tag}", "kv_load",
                                               {**p, "modes": modes}) or {}
                         for m in modes:
@@ -618,7 +628,9 @@ def render(res: Result) -> str:
         add("")
         add("`load` = `KVCache.load(tokens)` (lookup + read + verify + one new tensor); `get_into` = "
             "`ChunkStore.get(key, out=buf)` into preallocated chunk buffers, one after another; "
-            f"`get_parallel` = the same split over {pr['io_threads']} `get_async` calls. LMCache: "
+            f"`get_parallel` = the same split over {pr['io_threads']} `get_async` calls; `host_tier` = "
+            "`ChunkStore.load_many` into the host tier's pooled buffers (the connector's path), "
+            "`host_tier_direct` = the same with `direct_reads` (`O_DIRECT`). LMCache: "
             "`batched_get` from its disk backend (in the writing process: it cannot find its files "
             "after a restart) + copy into one pre-touched tensor. Every byte is compared with the source.")
         add("")
