@@ -32,6 +32,7 @@ class BufferPool:
         self._slots = 0  # slots of the current size that exist (free or in use)
         self._lock = threading.Lock()
         self.created = 0  # slots ever allocated (steady state: stops growing)
+        self._closed = False
 
     @property
     def allocated_bytes(self) -> int:
@@ -70,6 +71,43 @@ class BufferPool:
         t = torch.from_numpy(view)[lead : lead + nbytes]  # the storage keeps ``view`` alive
         return t.view(dtype).view(shape) if nbytes else t.view(dtype).reshape(shape)
 
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Allocate and touch, now, every slot the cap allows for chunks of ``shape``: in one
+        allocation (one pinned allocation with CUDA, not one per slot). A serving worker
+        calls this at start-up, so that no step ever allocates (the first saves would
+        otherwise pay for new pinned memory on the model's thread). Slots are cut from it
+        as views; it is freed when the last of them is. Returns the slots made."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            if nbytes > self.chunk_bytes:
+                self._free.clear()
+                self._slots = 0
+                self.chunk_bytes = nbytes
+                self.slot_bytes = -(-nbytes // _PAGE) * _PAGE + _PAGE
+            count = self.cap_bytes // self.chunk_bytes - self._slots if self.chunk_bytes else 0
+            if count <= 0:
+                return 0
+            self._slots += count
+            size = self.slot_bytes
+        try:
+            arena = self._new_slot(size * count)
+        except BaseException:
+            with self._lock:
+                self._slots -= count
+            raise
+        self.created += count - 1  # (_new_slot counted one)
+        with self._lock:
+            self._free.extend(arena[i * size : (i + 1) * size] for i in range(count))
+        return count
+
+    def close(self) -> None:
+        """Let go of the free slots, and of each slot in use when it comes back (and with
+        them of the memory reserved): the store is closed."""
+        with self._lock:
+            self._closed = True
+            self._free.clear()
+            self._slots = 0
+
     def _take(self, nbytes: int) -> np.ndarray | None:
         with self._lock:
             if nbytes > self.chunk_bytes:
@@ -106,7 +144,7 @@ class BufferPool:
 
     def _give_back(self, slot: np.ndarray) -> None:
         with self._lock:
-            if len(slot) == self.slot_bytes:
+            if len(slot) == self.slot_bytes and not self._closed:
                 self._free.append(slot)
             # else: a slot of an earlier, smaller size: let it go
 

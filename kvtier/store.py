@@ -424,6 +424,11 @@ class ChunkStore:
             self.counters.add(evicted_host=self.host.put(key, t))
         return Loaded(Outcome.HIT, t)
 
+    def reserve_buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Allocate every chunk buffer the budgets allow (``host_bytes + write_queue_bytes``)
+        now, for chunks of ``shape`` (see :meth:`BufferPool.reserve`); the buffers made."""
+        return self.pool.reserve(shape, dtype)
+
     def _load_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, lead: int = 0) -> torch.Tensor:
         """Where a chunk loaded for the host tier is decoded: a pooled buffer if one is free
         (``lead``: see :meth:`BufferPool.acquire`)."""
@@ -622,6 +627,7 @@ class ChunkStore:
             return  # closing the backend under a running thread could crash it
         self.backend.close()
         self.host.clear()
+        self.pool.close()
         self._lock.release()
 
     def __enter__(self) -> ChunkStore:

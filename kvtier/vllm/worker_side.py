@@ -56,6 +56,9 @@ class WorkerSide:
         self.views = [blocks_view(kv_caches[n], content, self.head_dim) for n in layer_names]
         self.dtype = kv_caches[layer_names[0]].dtype
         self.copies = CopyStream(kv_caches[layer_names[0]].device)
+        # every staging and host-tier buffer now, pinned and touched, in one allocation: no
+        # step allocates (the first saves would pay for new pinned memory on this thread)
+        store.reserve_buffers((len(self.views), 2, namespace.chunk_tokens, self.heads, self.head_dim), self.dtype)
         # block ids go to the device once per step, not per layer and chunk (saves and
         # loads each have their own: a step's save ids stay in use across its layers)
         self._save_index = StepIndex(self.copies.device)

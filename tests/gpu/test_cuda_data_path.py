@@ -28,6 +28,8 @@ def test_cuda_round_trip_is_bit_exact_and_allocates_nothing_when_warm(tmp_path: 
         worker, caches = make_worker(store, g, content, "cuda")
         got = save_and_reload(store, worker, caches, g)
         assert got["mismatches"] == []
+        reserved = store.pool.cap_bytes // g.chunk_bytes  # pinned when the worker started
+        assert {m[0] for m in got["save_marks"] + got["load_marks"]} == {reserved}
         assert got["save_marks"][-1] == got["save_marks"][3]
         assert got["load_marks"][-1] == got["load_marks"][7]
         worker.close()

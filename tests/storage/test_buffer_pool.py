@@ -45,6 +45,23 @@ def test_a_slot_returns_only_when_nothing_uses_it() -> None:
     assert pool.chunk_bytes == 2 * CHUNK_BYTES
 
 
+def test_reserve_makes_every_slot_at_once_and_close_lets_them_go() -> None:
+    pool = BufferPool(3 * CHUNK_BYTES + 100, pin=False)
+    assert pool.reserve(SHAPE, torch.bfloat16) == 3 and pool.created == 3 and pool.free_slots == 3
+    held = [pool.acquire(SHAPE, torch.bfloat16, lead=164) for _ in range(3)]
+    assert all(t is not None for t in held) and pool.created == 3  # taken, not allocated
+    assert pool.acquire(SHAPE, torch.bfloat16) is None  # the cap holds
+    assert all(t.untyped_storage().data_ptr() % 4096 == 0 for t in held)  # (each slot page-aligned)
+    for i, t in enumerate(held):
+        t.fill_(i)
+    assert [float(t.float().mean()) for t in held] == [0.0, 1.0, 2.0]  # slots do not overlap
+    assert pool.reserve(SHAPE, torch.bfloat16) == 0  # nothing more fits
+    pool.close()
+    del held
+    gc.collect()
+    assert pool.free_slots == 0  # a closed pool keeps nothing
+
+
 def test_a_slot_can_hold_a_whole_record_for_direct_reads() -> None:
     """``lead``: the tensor starts that far into a page-aligned storage that has room for
     the record's header before it and whole pages after it (what O_DIRECT needs)."""
