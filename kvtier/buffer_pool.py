@@ -3,10 +3,12 @@
 Allocating a fresh 32 MiB buffer per chunk is slow where it matters: fresh pages are touched
 at a fraction of memory speed (0.35 GiB/s on the VMs this was measured on), and pinned
 allocations with CUDA take tens of milliseconds each. The pool hands out slots of one size
-(the largest chunk asked for), pre-touched when created (pinned with CUDA), up to a byte
-cap; a slot comes back to the pool when the last tensor or array using its memory is gone,
-whoever held it (the write queue, the host tier, a load in flight), so a slot is never
-reused while anything still reads it. When the cap is reached and no slot is free,
+(the largest chunk asked for, in whole pages plus one, page-aligned), pre-touched when
+created (pinned with CUDA), up to a byte cap, either as they are first needed or all at
+once (:meth:`BufferPool.reserve`, what a serving worker does when it starts). A slot comes
+back to the pool when the last tensor or array using its memory is gone, whoever held it
+(the write queue, the host tier, a load in flight), so a slot is never reused while
+anything still reads it. When the cap is reached and no slot is free,
 :meth:`BufferPool.acquire` returns None and the caller decides: a save is dropped and
 counted, never allocated.
 """
