@@ -28,7 +28,9 @@ def kv_transfer_config(store: str | Path, role: str = "kv_both", *, by_name: boo
     return KVTransferConfig(
         kv_connector="KVTierConnector", kv_role=role,
         kv_connector_module_path=None if by_name else "kvtier.vllm.connector",
-        kv_connector_extra_config={"path": str(store), **extra},
+        # budgets for these machines' small models: the worker reserves host_bytes +
+        # write_queue_bytes of memory when it starts (the defaults: 1.25 GiB per worker)
+        kv_connector_extra_config={"path": str(store), "host_bytes": "128M", "write_queue_bytes": "128M", **extra},
     )
 
 
