@@ -21,7 +21,8 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
   (``O_DIRECT`` into pooled buffers), with the process's CPU seconds per GB loaded of each;
 - the wall-time overhead of saving on a simulated forward pass (a matmul per layer on the
   compute stream): prefill saving ``--chunks`` chunks, and decode saving one;
-- buffers allocated during the measured (warm) steps: pool slots and index buffers.
+- buffers allocated during the measured (warm) steps: pool slots and index buffers;
+- the worker's start, which reserves the whole pool (``host_bytes + write_queue_bytes``).
 Targets (issue 7) are checked only on CUDA; a CPU run says so.
 """
 
@@ -144,7 +145,9 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                       disk_bytes=64 * chunks * g.chunk_bytes, commit_bytes=chunks * g.chunk_bytes)
     out: dict[str, float | str] = {"content": content}
     with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, content, device)
+        t_start = time.perf_counter()
+        worker, caches = make_worker(store, g, content, device)  # (reserves the pool: timed)
+        out["start_s"] = time.perf_counter() - t_start
         for c in caches.values():
             c.copy_(torch.randn(c.shape, device=device).to(c.dtype))
         names = list(caches)
@@ -280,8 +283,8 @@ def main() -> None:
     print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)\n")
     print("| content | save GB/s (vs D2H) | host-tier load GB/s (vs H2D) | cold load GB/s (vs disk read) "
           "| cold load with direct_reads (O_DIRECT) | prefill overhead | decode overhead "
-          "| buffers allocated when warm (pool slots / cap) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| buffers allocated when warm (pool slots / cap) | worker start (pool reserved) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['content']} | {r['save_gbs']:.2f} ({r['save_gbs'] / d2h:.2f}x) "
               f"| {r['host_load_gbs']:.2f} ({r['host_load_gbs'] / h2d:.2f}x) "
@@ -290,7 +293,8 @@ def main() -> None:
               f"{r['cold_load_direct_cpu_s_per_gb']:.2f} vs {r['cold_load_cpu_s_per_gb']:.2f} "
               f"| {100 * r['overhead_prefill']:+.1f}% of {r['forward_prefill_ms']:.1f} ms "
               f"| {100 * r['overhead_decode']:+.1f}% of {r['forward_decode_ms']:.1f} ms "
-              f"| {r['allocations_when_warm']} ({r['pool_slots']} / {r['pool_cap_slots']}) |")
+              f"| {r['allocations_when_warm']} ({r['pool_slots']} / {r['pool_cap_slots']}) "
+              f"| {r['start_s']:.2f} s |")
     if device.type == "cuda":
         for r in rows:
             got = {"overhead_prefill": r["overhead_prefill"], "overhead_decode": r["overhead_decode"],

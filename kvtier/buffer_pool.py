@@ -58,8 +58,8 @@ class BufferPool:
         record read whole into the storage (header first) then leaves its payload exactly in
         the tensor: what lets a file be read with ``O_DIRECT`` straight into a pooled slot.
         """
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        itemsize = dtype.itemsize
+        nbytes = _nbytes(shape, dtype)
         if not 0 <= lead < _PAGE or lead % itemsize:
             raise ValueError(f"lead {lead}: must be below {_PAGE} and a multiple of {itemsize}")
         while True:
@@ -79,27 +79,16 @@ class BufferPool:
         calls this at start-up, so that no step ever allocates (the first saves would
         otherwise pay for new pinned memory on the model's thread). Slots are cut from it
         as views; it is freed when the last of them is. Returns the slots made."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            if nbytes > self.chunk_bytes:
-                self._free.clear()
-                self._slots = 0
-                self.chunk_bytes = nbytes
-                self.slot_bytes = -(-nbytes // _PAGE) * _PAGE + _PAGE
+            self._fit(_nbytes(shape, dtype))
             count = self.cap_bytes // self.chunk_bytes - self._slots if self.chunk_bytes else 0
             if count <= 0:
                 return 0
             self._slots += count
             size = self.slot_bytes
-        try:
-            arena = self._new_slot(size * count)
-        except BaseException:
-            with self._lock:
-                self._slots -= count
-            raise
-        self.created += count - 1  # (_new_slot counted one)
+        slots = self._make(count, size)
         with self._lock:
-            self._free.extend(arena[i * size : (i + 1) * size] for i in range(count))
+            self._free.extend(slots)
         return count
 
     def close(self) -> None:
@@ -112,14 +101,7 @@ class BufferPool:
 
     def _take(self, nbytes: int) -> np.ndarray | None:
         with self._lock:
-            if nbytes > self.chunk_bytes:
-                # a larger chunk than any so far: from now on slots have its size (the free
-                # smaller ones are dropped; those in use are dropped when they come back),
-                # in whole pages and one more (room for a record's header before it)
-                self._free.clear()
-                self._slots = 0
-                self.chunk_bytes = nbytes
-                self.slot_bytes = -(-nbytes // _PAGE) * _PAGE + _PAGE
+            self._fit(nbytes)
             if self._free:
                 return self._free.pop()
             # the cap counts chunks: a slot's spare page (or two) is not charged to it
@@ -127,13 +109,29 @@ class BufferPool:
                 return None
             self._slots += 1
             size = self.slot_bytes
+        return self._make(1, size)[0]
+
+    def _fit(self, nbytes: int) -> None:
+        """(Under the lock.) A larger chunk than any so far: from now on slots have its size
+        (the free smaller ones are dropped; those in use are dropped when they come back), in
+        whole pages and one more (room for a record's header before it)."""
+        if nbytes > self.chunk_bytes:
+            self._free.clear()
+            self._slots = 0
+            self.chunk_bytes = nbytes
+            self.slot_bytes = -(-nbytes // _PAGE) * _PAGE + _PAGE
+
+    def _make(self, count: int, size: int) -> list[np.ndarray]:
+        """``count`` slots of ``size`` bytes, cut from one allocation; the caller has counted
+        them in ``_slots`` (under the lock, with the cap), and gets that back on failure."""
         try:
-            slot = self._new_slot(size)
+            arena = self._new_slot(size * count)
         except BaseException:
             with self._lock:
-                self._slots -= 1
+                self._slots -= count
             raise
-        return slot
+        self.created += count - 1  # (_new_slot counted one)
+        return [arena[i * size : (i + 1) * size] for i in range(count)]
 
     def _new_slot(self, size: int) -> np.ndarray:
         # page-aligned (pinned memory is; the CPU allocator aligns to 64 bytes): for O_DIRECT
@@ -152,3 +150,7 @@ class BufferPool:
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

@@ -89,13 +89,12 @@ def damage_report(path: Path, *, preread: bool = False) -> str | None:
         except ValueError:
             name = f"signal {-proc.returncode}"
         return f"reading its pages crashed the checking process ({name})"
+    said = (proc.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
     if proc.returncode == _DAMAGED:
-        lines = proc.stderr.decode(errors="replace").strip().splitlines()
-        return lines[-1] if lines else "LMDB reported damage"
+        return said or "LMDB reported damage"
     if proc.returncode != 0:  # the helper could not run (not the store's fault): open as before
-        lines = proc.stderr.decode(errors="replace").strip().splitlines()
         log.warning("kvtier: cannot check the pages of %s (the helper exited with %d: %s); opening it "
-                    "unchecked", path, proc.returncode, lines[-1] if lines else "")
+                    "unchecked", path, proc.returncode, said)
         return None
     with _CHECKED_LOCK:
         _CHECKED[key] = ident
