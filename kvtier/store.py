@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
@@ -72,6 +72,7 @@ class _Pending:
     parent: bytes | None
     head: bytes | None
     from_remote: bool = False  # promoted from the remote tier: not uploaded back
+    ready: Callable[[], object] | None = None  # waits until the tensor's bytes are there
 
     @property
     def nbytes(self) -> int:
@@ -159,20 +160,23 @@ class ChunkStore:
 
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
             num_tokens: int, group: bytes | None = None, parent: bytes | None = None,
-            head: bytes | None = None, _from_remote: bool = False) -> bool:
+            head: bytes | None = None, ready: Callable[[], object] | None = None,
+            _from_remote: bool = False) -> bool:
         """Queue a chunk for the persistent tier (and keep it in the host tier).
 
         ``parent`` is the key of the chunk this one extends (None for a chain's first chunk),
         ``head`` the key of the chain's first chunk, and ``group`` the chunk's rank-0 key
         under tensor parallelism: eviction keeps chains and rank tuples whole with them, and
         lookups read a prompt's chunks side by side. The store takes ownership of ``tensor`` (a CPU
-        tensor; do not modify it afterwards). Returns False if the save was dropped because
-        the write queue is full or closed.
+        tensor; do not modify it afterwards). ``ready``, if given, returns once the tensor's
+        bytes are all there (a device copy into it may still be in flight when ``put`` is
+        called): the writer thread calls it before reading them, so the caller never waits.
+        Returns False if the save was dropped because the write queue is full or closed.
         """
         if self.readonly:
             raise RuntimeError("store opened read-only")
         item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head,
-                        _from_remote)
+                        _from_remote, ready)
         with self._cv:
             if self._closed or key in self._pending:
                 return not self._closed
@@ -238,6 +242,8 @@ class ChunkStore:
             return
         items = []
         for p in batch:
+            if p.ready is not None:
+                p.ready()  # the device copy into it (on this thread: never on the model's)
             header, payload = codec.encode(
                 p.tensor, key=p.key, namespace_id=p.namespace_id, token_start=p.token_start,
                 num_tokens=p.num_tokens, compression=self.config.compression,

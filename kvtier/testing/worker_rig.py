@@ -81,28 +81,39 @@ def make_worker(store, g: Geometry, content: str, device: str | torch.device):  
     return worker, caches
 
 
-def save_step(worker, caches: dict[str, torch.Tensor], saves: list) -> None:  # noqa: ANN001
-    """One engine step that saves ``saves`` (``SaveSpec``\\ s): every layer, then wait_for_save."""
+def save_step(worker, caches: dict[str, torch.Tensor], saves: list, *,  # noqa: ANN001
+              layer_hooks: bool = True) -> None:
+    """One engine step that saves ``saves`` (``SaveSpec``\\ s): every layer's hook, then
+    wait_for_save. ``layer_hooks=False``: a step whose forward pass a full CUDA graph
+    replayed, so no layer hook ran."""
     from kvtier.vllm.metadata import KVTierMetadata
 
     meta = KVTierMetadata(saves=saves)
-    for name in caches:
-        worker.save_layer(meta, name)
-    worker.finish_saves()
+    if layer_hooks:
+        for name in caches:
+            worker.save_layer(meta, name)
+    worker.finish_saves(meta)
 
 
 def load_sync(worker, loads: list) -> None:  # noqa: ANN001
-    """Load ``loads`` (``LoadSpec``\\ s with ``sync=True``) before a step, as vLLM would."""
+    """Load ``loads`` (``LoadSpec``\\ s with ``sync=True``) before a step, and wait for each
+    layer as that step's attention layers would (on a GPU the host does not wait: reads of
+    the cache on the current stream come after the copies)."""
     from kvtier.vllm.metadata import KVTierMetadata
 
     worker.start_loads(KVTierMetadata(loads=loads))
+    for name in worker.layer_index:
+        worker.wait_for_layer(name)
+    worker.get_finished(set())  # the step's end: what has landed lets go of its buffers
 
 
 def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
-                    steps: int = 16, loads: int = 16, seed: int = 0) -> dict[str, list]:
+                    steps: int = 16, loads: int = 16, seed: int = 0, layer_hooks: bool = True,
+                    ) -> dict[str, list]:
     """Save two chunks per step for ``steps`` steps (random blocks of random KV), then zero the
     caches and load the last ``loads`` chunks back into other blocks, comparing block for
-    block. Returns the per-step ``(pool slots, index buffer growths)`` of both phases and the
+    block (``layer_hooks=False``: no save hook runs, as under a full CUDA graph). Returns the
+    per-step ``(pool slots, index buffer growths)`` of both phases and the
     chunks that came back different (``mismatches``: must be empty)."""
     from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
 
@@ -123,7 +134,7 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
             key = os.urandom(32)
             specs.append(SaveSpec(f"r{step}", (key,), 0, g.chunk_tokens, ids))
             saved.append((key, [blocks(c, ids) for c in caches.values()]))
-        save_step(worker, caches, specs)
+        save_step(worker, caches, specs, layer_hooks=layer_hooks)
         store.flush(60)
         save_marks.append((store.pool.created, worker._save_index.allocations))
     for c in caches.values():

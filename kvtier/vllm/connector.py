@@ -101,6 +101,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = _cache_hit_source()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Synchronous loads (``load_async: false``) are waited for layer by layer, in the
+        attention layers' hooks, which a full CUDA graph replays without running: vLLM then
+        uses piecewise graphs. Saves need no such thing (``wait_for_save`` copies whatever
+        the hooks did not), so asynchronous loads keep full graphs."""
+        return (extra_config or {}).get("load_async", True) is False
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -263,7 +271,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                         self._orphan_blocks.update(chunk.block_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request runs only after its load finished
+        # asynchronous loads: nothing to wait for (a request runs only after its load
+        # finished); synchronous ones: the compute stream waits for this layer's copies
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -278,7 +289,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self._worker is not None:
             try:
-                self._worker.finish_saves()
+                self._worker.finish_saves(self._meta())
             except Exception as exc:
                 log.warning("kvtier: handing saves to the store failed: %s", exc)
 

@@ -1,7 +1,10 @@
 """Device-copy plumbing shared by the CPU and CUDA paths.
 
-On CUDA, staging copies run on a side stream into pinned host memory and are awaited once
-per step; on the CPU the same calls are plain synchronous copies. Keeping both behind these
+On CUDA, staging copies run on a side stream, to and from pinned host memory, and are
+tracked with events: the host never waits for them on the model's thread; the compute
+stream waits for them on the device where vLLM needs the data (``compute_waits_for``), and
+other threads or later steps ask whether they are done (``done``). On the CPU the same calls
+are plain synchronous copies and every event is ``None`` (done). Keeping both behind these
 few functions means the code the CPU tests exercise is the code that runs on a GPU.
 """
 
@@ -34,7 +37,28 @@ class CopyStream:
         with torch.cuda.stream(self._stream):
             yield
 
+    def record(self) -> torch.cuda.Event | None:
+        """An event that completes when the copies enqueued so far on the side stream have
+        (None on the CPU, where they already have)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    @staticmethod
+    def done(event: torch.cuda.Event | None) -> bool:
+        """Whether the copies ``event`` marks have completed (never waits)."""
+        return event is None or bool(event.query())
+
+    def compute_waits_for(self, event: torch.cuda.Event | None) -> None:
+        """Work enqueued from now on on the compute stream waits, on the device, for the copies
+        ``event`` marks; the host does not wait."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
     def synchronize(self) -> None:
+        """The host waits for every copy enqueued (shutdown and tests only: never in a step)."""
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -47,9 +71,9 @@ class StepIndex:
     caught up. Here the ids of the whole step go into one reused pinned buffer and reach the
     device in one asynchronous copy, enqueued on the side stream before the copies that use
     them; callers take slices. On the CPU the buffer itself is the index (no copy). Buffers
-    grow rarely (doubling) and are reused: no allocation per step in steady state. The
-    buffer may be refilled only after the step's copies are done (``CopyStream.synchronize``,
-    which every step ends with).
+    grow rarely (doubling) and are reused: no allocation per step in steady state. A buffer
+    may be refilled only after the copies that use it are done: :class:`IndexRing` hands out
+    one per batch of copies and takes it back then.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -77,3 +101,42 @@ class StepIndex:
         if self.is_cuda and total:
             self._dev[:total].copy_(self._host[:total], non_blocking=True)
         return [self._dev.narrow(0, a, n) for a, n in bounds]
+
+
+class IndexRing:
+    """:class:`StepIndex` buffers for batches of copies still in flight.
+
+    Copies are never awaited on the model's thread, so a step's index buffer may still be
+    read by the device when the next step needs one: each batch takes a buffer (``take``)
+    and gives it back with the event that marks its copies (``hold``); a buffer is reused
+    only once its event is done. In steady state as many exist as batches overlap (two or
+    three); none is made per step.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: list[StepIndex] = []
+        self._held: list[tuple[StepIndex, torch.cuda.Event | None]] = []
+        self._all: list[StepIndex] = []
+
+    @property
+    def allocations(self) -> int:
+        """Index buffers made or grown, all told (steady state: stops growing)."""
+        return sum(ix.allocations for ix in self._all)
+
+    def take(self) -> StepIndex:
+        still = []
+        for ix, event in self._held:
+            if CopyStream.done(event):
+                self._free.append(ix)
+            else:
+                still.append((ix, event))
+        self._held = still
+        if self._free:
+            return self._free.pop()
+        ix = StepIndex(self.device)
+        self._all.append(ix)
+        return ix
+
+    def hold(self, ix: StepIndex, event: torch.cuda.Event | None) -> None:
+        self._held.append((ix, event))

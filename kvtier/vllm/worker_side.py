@@ -1,11 +1,19 @@
 """Worker side: copies KV between vLLM's paged blocks and kvtier chunks.
 
-Saves: ``save_kv_layer`` gathers this layer's blocks of each chunk being saved into a host
-staging tensor (canonical layout); ``wait_for_save`` hands whole chunks to the write-behind
-store, so the step never waits for storage. Loads: ``start_load_kv`` starts one background
-job per request that reads and verifies chunks and scatters them into the request's blocks;
-``get_finished`` reports finished jobs, and blocks whose chunk was missing or corrupt are
-reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+Saves: ``save_kv_layer`` gathers this layer's blocks of each chunk being saved into a pooled
+host buffer (canonical layout), on the side stream, behind the layer's compute;
+``wait_for_save`` gathers the layers whose hooks did not run (a CUDA graph replays the
+forward without them), has the compute stream wait for the gathers on the device (the blocks
+may be reused next step) and hands the chunks to the write-behind store with the event the
+writer thread waits on. The model's thread never waits for a copy or for storage.
+
+Loads: ``start_load_kv`` starts one background job per request that reads and verifies its
+chunks; ``get_finished`` enqueues the scatter of a finished job into the request's blocks and
+reports the request once the copies are done (an event, polled). Synchronous loads
+(``load_async: false``) read before the forward pass and scatter layer by layer:
+``wait_for_layer_load`` makes the compute stream wait for its layer only. Blocks whose chunk
+was missing or corrupt are reported through ``get_block_ids_with_load_errors`` so vLLM
+recomputes them.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import torch
 
 from kvtier.keys import Namespace
 from kvtier.store import ChunkStore
-from kvtier.vllm.device import CopyStream, StepIndex
+from kvtier.vllm.device import CopyStream, IndexRing, StepIndex
 from kvtier.vllm.layout import Content, blocks_view, gather_blocks, scatter_blocks
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
@@ -44,6 +52,15 @@ class _LoadResult:
     seconds: float = 0.0
 
 
+@dataclass
+class _Scatter:
+    """Loaded chunks whose copies into the KV cache are in flight: their host tensors stay
+    referenced (their buffers are not reused) until ``event`` is done."""
+    req_id: str | None  # an asynchronous load, reported when done; None: a synchronous one
+    event: torch.cuda.Event | None
+    results: list[_LoadResult]
+
+
 class WorkerSide:
     def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
                  kv_caches: dict[str, torch.Tensor], content: Content, block_size: int) -> None:
@@ -59,13 +76,20 @@ class WorkerSide:
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
         # step allocates (the first saves would pay for new pinned memory on this thread)
         store.reserve_buffers((len(self.views), 2, namespace.chunk_tokens, self.heads, self.head_dim), self.dtype)
-        # block ids go to the device once per step, not per layer and chunk (saves and
-        # loads each have their own: a step's save ids stay in use across its layers)
-        self._save_index = StepIndex(self.copies.device)
-        self._load_index = StepIndex(self.copies.device)
+        # block ids go to the device once per step, not per layer and chunk; a step's buffer
+        # is reused only once its copies are done (they are never awaited on this thread)
+        self._save_index = IndexRing(self.copies.device)
+        self._load_index = IndexRing(self.copies.device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
+        self._staged_index: StepIndex | None = None
+        self._gathered = [False] * len(self.views)  # which layers of this step's saves are copied
         self._save_namespace = namespace.id
+        # saved chunks' buffers whose gathers may still be in flight: kept until done, so a
+        # buffer the store let go of is not reused under a copy
+        self._saves_in_flight: list[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = []
         self._loads: dict[str, Future[_LoadResult]] = {}
+        self._scattering: list[_Scatter] = []
+        self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
         self.stats: dict[str, float] = {}  # only touched on the model's thread
@@ -83,17 +107,13 @@ class WorkerSide:
             return
         with self.copies.after_compute():
             if self._staged is None:  # the step's first layer: plan its saves once
-                self._staged = self._prepare_saves(meta)
-                ids = meta.namespace_ids
-                self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
-            for staged in self._staged:
-                if staged.buf is not None:
-                    gather_blocks(self.views[li], staged.idx, staged.buf[li],
-                                  non_blocking=self.copies.non_blocking)
+                self._plan_saves(meta)
+            self._gather(li)
 
-    def _prepare_saves(self, meta: KVTierMetadata) -> list[_Staged]:
+    def _plan_saves(self, meta: KVTierMetadata) -> None:
         """Which of the step's chunks to copy (one index read for all of them), a pooled
-        buffer for each, and their block ids uploaded to the device in one copy."""
+        buffer for each, and their block ids uploaded to the device in one copy (call inside
+        ``after_compute``)."""
         stored = self.store.present_each([spec.keys[self.rank] for spec in meta.saves])
         staged = []
         for spec, there in zip(meta.saves, stored, strict=True):
@@ -104,42 +124,106 @@ class WorkerSide:
             buf = self.store.buffer(shape, self.dtype)
             staged.append(_Staged(spec, buf, dropped=buf is None))
         copying = [st for st in staged if st.buf is not None]
-        for st, idx in zip(copying, self._save_index.upload([st.spec.block_ids for st in copying]), strict=True):
+        self._staged_index = self._save_index.take()
+        for st, idx in zip(copying, self._staged_index.upload([st.spec.block_ids for st in copying]), strict=True):
             st.idx = idx
-        return staged
+        ids = meta.namespace_ids
+        self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
+        self._gathered = [False] * len(self.views)
+        self._staged = staged
 
-    def finish_saves(self) -> None:
-        staged, self._staged = self._staged, None
-        if not staged:
+    def _gather(self, li: int) -> None:
+        """Copy layer ``li`` of this step's saves into their buffers (inside ``after_compute``)."""
+        if self._gathered[li] or self._staged is None:
             return
-        self.copies.synchronize()
+        for staged in self._staged:
+            if staged.buf is not None:
+                gather_blocks(self.views[li], staged.idx, staged.buf[li], non_blocking=self.copies.non_blocking)
+        self._gathered[li] = True
+
+    def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
+        """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
+        the chunks to the store (``wait_for_save``; never waits for a copy)."""
+        self._layer_ready.clear()  # the forward pass has been enqueued: its waits are in
+        self._retire_saves()
+        if self._staged is None and (meta is None or not meta.saves):
+            return
+        late = 0
+        try:
+            with self.copies.after_compute():
+                if self._staged is None:  # no layer hook ran: a CUDA graph replayed the forward
+                    self._plan_saves(meta)  # type: ignore[arg-type]
+                late = self._gathered.count(False)
+                for li in range(len(self.views)):
+                    self._gather(li)
+        except Exception as exc:
+            log.warning("kvtier: copying KV to save failed: %s; the step's chunks stay uncached", exc)
+            self._end_saves(store=False)
+            return
+        if late:
+            self._bump(save_layers_after_forward=late)
+        self._end_saves(store=True)
+
+    def _end_saves(self, *, store: bool) -> None:
+        staged, self._staged = self._staged or [], None
+        event = self.copies.record()
+        # the gathers read blocks vLLM may hand out again from the next step on: later work on
+        # the compute stream waits for them (on the device; this thread does not)
+        self.copies.compute_waits_for(event)
+        if self._staged_index is not None:
+            self._save_index.hold(self._staged_index, event)
+            self._staged_index = None
+        buffers = [s.buf for s in staged if s.buf is not None]
+        if buffers:
+            self._saves_in_flight.append((event, buffers))
+        ready = event.synchronize if event is not None else None  # the writer thread waits on it
         for s in staged:
             if s.buf is None:
                 self._bump(**{"save_dropped_chunks" if s.dropped else "save_skipped_chunks": 1})
+                continue
+            if not store:
+                self._bump(save_dropped_chunks=1)
                 continue
             parents = s.spec.parent_keys
             ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self._save_namespace,
                                 token_start=s.spec.token_start, num_tokens=s.spec.num_tokens,
                                 group=s.spec.keys[0], parent=parents[self.rank] if parents else None,
-                                head=s.spec.head_keys[self.rank] if s.spec.head_keys else None)
+                                head=s.spec.head_keys[self.rank] if s.spec.head_keys else None, ready=ready)
             self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
                        save_dropped_chunks=0 if ok else 1)
 
+    def _retire_saves(self) -> None:
+        self._saves_in_flight = [(e, b) for e, b in self._saves_in_flight if not self.copies.done(e)]
+
     # -- loads ---------------------------------------------------------------------
     def start_loads(self, meta: KVTierMetadata) -> None:
+        self._layer_ready.clear()
+        sync = []
         for spec in meta.loads:
             if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
-                self._finish_load(self._read(spec))
+                sync.append(self._read(spec))
             elif spec.req_id not in self._loads:
                 self._loads[spec.req_id] = self._pool.submit(self._read, spec)
+        if sync:
+            # layer by layer: the first layers compute while later ones are still copied
+            event = self._scatter(sync, layer_events=True)
+            self._scattering.append(_Scatter(None, event, sync))
+            for res in sync:  # a synchronous load's failures are reported in its own step
+                self._report(res)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """The compute stream waits (on the device) for this layer's synchronous loads."""
+        li = self.layer_index.get(layer_name)
+        if li is not None and li in self._layer_ready:
+            self.copies.compute_waits_for(self._layer_ready.pop(li))
 
     def _read(self, spec: LoadSpec) -> _LoadResult:
         """Read and verify a request's chunks (a background thread in async mode).
 
         Only storage work happens here: reads, checksums and decoding into host tensors
         release the GIL and use no thread pool of torch's. The copies into vLLM's KV cache
-        run on the thread that drives the model (see ``_scatter``): from a second thread
-        they would fight the worker's OpenMP threads for the same cores.
+        are enqueued from the thread that drives the model (see ``_scatter``): from a second
+        thread they would fight the worker's OpenMP threads for the same cores.
         """
         res = _LoadResult()
         t0 = time.perf_counter()
@@ -162,33 +246,62 @@ class WorkerSide:
         res.seconds = time.perf_counter() - t0
         return res
 
-    def _scatter(self, res: _LoadResult) -> None:
-        """Copy loaded chunks into their blocks (on the model's thread; waits for the copies)."""
-        t0 = time.perf_counter()
+    def _scatter(self, results: list[_LoadResult], *, layer_events: bool = False) -> torch.cuda.Event | None:
+        """Enqueue the copies of loaded chunks into their blocks, layer by layer (with an
+        event per layer if ``layer_events``); returns the event that marks them all. Never
+        waits for them."""
+        loaded = [item for res in results for item in res.loaded]
+        index = self._load_index.take()
+        failed = False
         try:
             with self.copies.after_compute():
-                indexes = self._load_index.upload([chunk.block_ids for chunk, _ in res.loaded])
-                for (chunk, data), idx in zip(res.loaded, indexes, strict=True):
-                    skip = chunk.skip_blocks * self.block_size
-                    for li, view in enumerate(self.views):
+                indexes = index.upload([chunk.block_ids for chunk, _ in loaded])
+                for li, view in enumerate(self.views):
+                    for (chunk, data), idx in zip(loaded, indexes, strict=True):
+                        skip = chunk.skip_blocks * self.block_size
                         scatter_blocks(view, idx, data[li].narrow(1, skip, data.shape[2] - skip),
                                        non_blocking=self.copies.non_blocking)
-                    res.tokens += len(chunk.block_ids) * self.block_size
+                    if layer_events:
+                        self._layer_ready[li] = self.copies.record()
+            for res in results:
+                res.tokens += sum(len(chunk.block_ids) for chunk, _ in res.loaded) * self.block_size
         except Exception as exc:
             log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
-            for chunk, _ in res.loaded:
-                res.failed_blocks.extend(chunk.block_ids)
-            res.tokens = 0
-        finally:
-            # always: copies already enqueued must finish before the index buffer is reused
-            # (and before vLLM is told the load is done)
-            self.copies.synchronize()
-        res.loaded = []
-        res.seconds += time.perf_counter() - t0
+            for res in results:
+                for chunk, _ in res.loaded:
+                    res.failed_blocks.extend(chunk.block_ids)
+                res.tokens = 0
+            self._layer_ready.clear()
+            failed = True
+        event = self.copies.record()
+        self._load_index.hold(index, event)
+        if failed:  # copies enqueued before the failure must land before vLLM recomputes the blocks
+            self.copies.compute_waits_for(event)
+        return event
+
+    def _report(self, res: _LoadResult) -> None:
+        self._load_errors.update(res.failed_blocks)
+        self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
+                   load_failed_blocks=len(res.failed_blocks), load_requests=1)
+
+    def _retire_loads(self) -> set[str]:
+        """Release loads whose copies are done; the asynchronous ones among them are reported."""
+        done, still = set(), []
+        for s in self._scattering:
+            if not self.copies.done(s.event):
+                still.append(s)
+                continue
+            for res in s.results:
+                res.loaded = []  # their host buffers may be reused now
+                if s.req_id is not None:
+                    self._report(res)
+            if s.req_id is not None:
+                done.add(s.req_id)
+        self._scattering = still
+        return done
 
     # -- completion ------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done_recv = set()
         if self._loads:
             # vLLM's engine loop spins on this thread while requests wait for their KV; a
             # short wait here hands the GIL to the reader threads (otherwise each of their
@@ -197,22 +310,18 @@ class WorkerSide:
         for req_id, fut in list(self._loads.items()):
             if fut.done():
                 del self._loads[req_id]
-                done_recv.add(req_id)
                 try:
                     res = fut.result()
-                except Exception as exc:  # defensive: _load catches everything
+                except Exception as exc:  # defensive: _read catches storage faults
                     log.warning("kvtier: load job failed: %s", exc)
                     res = _LoadResult()
-                self._finish_load(res)
+                self._scattering.append(_Scatter(req_id, self._scatter([res]), [res]))
+        # reported once their copies are done: on the CPU at once, on a GPU a step or so later
+        done_recv = self._retire_loads()
+        self._retire_saves()
         # Saves never hold blocks (see SchedulerSide.request_finished): nothing to report.
         self._maybe_log()
         return None, (done_recv or None)
-
-    def _finish_load(self, res: _LoadResult) -> None:
-        self._scatter(res)
-        self._load_errors.update(res.failed_blocks)
-        self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
-                   load_failed_blocks=len(res.failed_blocks), load_requests=1)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -247,3 +356,6 @@ class WorkerSide:
         for fut in self._loads.values():
             fut.cancel()
         self._pool.shutdown(wait=True)
+        self.copies.synchronize()  # shutting down: let the copies in flight land
+        self._retire_loads()
+        self._retire_saves()
