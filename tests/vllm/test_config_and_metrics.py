@@ -51,3 +51,15 @@ def test_stats_reach_vllm(tiny_model: Path, store_dir: Path, monkeypatch: pytest
     assert summary["load_tokens"] == 576  # the second run loaded the prefix
     assert summary["store_hits_disk"] >= 3
     assert summary["load_requests"] == 1
+
+
+def test_piecewise_cuda_graphs_are_asked_for_only_with_sync_loads() -> None:
+    """Synchronous loads wait per layer in the attention hooks, which a full CUDA graph
+    replays without running: vLLM must fall back to piecewise graphs for them. Saves copy
+    what the hooks missed in wait_for_save, so the default keeps full graphs."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for extra, want in (({"load_async": False}, True), ({}, False), ({"load_async": True}, False)):
+        ktc = kv_transfer_config("unused", **extra)
+        cls = KVConnectorFactory.get_connector_class(ktc)  # as vLLM's config check resolves it
+        assert cls.requires_piecewise_for_cudagraph(ktc.kv_connector_extra_config) is want

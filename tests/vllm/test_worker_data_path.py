@@ -22,13 +22,18 @@ G = Geometry()
 PER_CHUNK = G.chunk_tokens // G.block_size
 
 
-@pytest.mark.parametrize("content", ["kv_last", "cpu"])
-def test_steady_state_saves_and_loads_allocate_nothing_and_round_trip(tmp_path: Path, content: str) -> None:
+@pytest.mark.parametrize(("content", "layer_hooks"), [("kv_last", True), ("cpu", True), ("kv_last", False)])
+def test_steady_state_saves_and_loads_allocate_nothing_and_round_trip(tmp_path: Path, content: str,
+                                                                      layer_hooks: bool) -> None:
+    """``layer_hooks=False``: steps as a full CUDA graph replays them, with no save_kv_layer
+    call; wait_for_save copies every layer then, and the chunks round-trip all the same."""
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
                       write_queue_bytes=4 * G.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, G, content, "cpu")
-        got = save_and_reload(store, worker, caches, G)
+        got = save_and_reload(store, worker, caches, G, layer_hooks=layer_hooks)
+        late = worker.take_stats().get("save_layers_after_forward", 0)
+        assert late == (0 if layer_hooks else 16 * G.layers)  # 16 steps, every layer after the forward
         assert got["mismatches"] == []  # bit-exact, block for block, into other blocks
         # every buffer was made when the worker started (one allocation, the cap's worth):
         # no step allocates, the first ones included

@@ -1,0 +1,196 @@
+"""What the worker does while its device copies are still in flight.
+
+On a GPU the worker never waits for a copy on the model's thread: it records an event and
+(1) has the compute stream wait for it where vLLM needs the data, (2) lets the writer thread
+wait for it before reading a saved chunk, (3) reports an asynchronous load once it is done,
+(4) keeps the host buffers the copies use until then. On the CPU every copy is done at once
+and these paths are never pending, so here the copy stream records events that stay pending
+until the test completes them: the only stand-in, for CUDA events (no GPU here). Everything
+else is the real ``WorkerSide``, ``ChunkStore`` and files; the copies themselves are real.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from kvtier import CacheConfig
+from kvtier.store import ChunkStore
+from kvtier.testing.worker_rig import Geometry, make_worker, save_step
+from kvtier.vllm.device import CopyStream
+
+G = Geometry()
+PER_CHUNK = G.chunk_tokens // G.block_size
+
+
+class PendingEvent:
+    """A CUDA event's interface: pending until ``complete()``."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(60), "waited for an event that never completed"
+
+    def complete(self) -> None:
+        self._done.set()
+
+
+class GatedCopies(CopyStream):
+    """The CPU copy stream, with events that stay pending, and a log of compute-stream waits."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.events: list[PendingEvent] = []
+        self.compute_waits: list[PendingEvent] = []
+
+    def record(self) -> PendingEvent:  # type: ignore[override]
+        self.events.append(PendingEvent())
+        return self.events[-1]
+
+    def compute_waits_for(self, event: PendingEvent | None) -> None:  # type: ignore[override]
+        if event is not None:
+            self.compute_waits.append(event)
+
+    def complete_all(self) -> None:
+        for e in self.events:
+            e.complete()
+
+
+def _rig(tmp_path: Path):  # noqa: ANN202
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes, io_threads=2)
+    store = ChunkStore(cfg)
+    worker, caches = make_worker(store, G, "kv_last", "cpu")
+    worker.copies = copies = GatedCopies()
+    gen = torch.Generator().manual_seed(1)
+    for c in caches.values():
+        c.copy_(torch.randn(c.shape, generator=gen))
+    return store, worker, caches, copies
+
+
+def _blocks(caches: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [c[torch.tensor(ids)].clone() for c in caches.values()]
+
+
+def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_for_them(tmp_path: Path) -> None:
+    from kvtier.vllm.metadata import SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        key, ids = os.urandom(32), list(range(PER_CHUNK))
+        save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
+        (event,) = copies.events
+        assert copies.compute_waits == [event]  # the blocks are not reused before the gathers ran
+        assert worker._saves_in_flight  # its buffer is held while the copies may write into it
+        # the writer thread waits for the event, not the model's thread: nothing is written yet
+        assert not store.flush(0.5)
+        assert store.backend.present_each([key]) == [False]
+        event.complete()
+        assert store.flush(30)
+        assert store.backend.present_each([key]) == [True]
+        worker.get_finished(set())
+        assert not worker._saves_in_flight
+        store.host.clear()
+        got = store.load(key).tensor
+        assert got is not None
+        for li, want in enumerate(_blocks(caches, ids)):  # [blocks, H, block, 2D] vs [2, tokens, H, D]
+            k, v = want[..., : G.head_dim], want[..., G.head_dim :]
+            assert torch.equal(got[li][0], k.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+            assert torch.equal(got[li][1], v.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path) -> None:
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        key, ids = os.urandom(32), list(range(PER_CHUNK))
+        save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
+        copies.complete_all()
+        assert store.flush(30)
+        want = _blocks(caches, ids)
+        dest = list(range(PER_CHUNK, 2 * PER_CHUNK))
+        missing = list(range(2 * PER_CHUNK, 3 * PER_CHUNK))  # a chunk never saved: a miss
+        spec = LoadSpec("a", [ChunkLoad((key,), 0, G.chunk_tokens, 0, dest),
+                              ChunkLoad((os.urandom(32),), G.chunk_tokens, G.chunk_tokens, 0, missing)])
+        worker.start_loads(KVTierMetadata(loads=[spec]))
+        worker._loads["a"].result(30)
+        copies.events.clear()
+        assert worker.get_finished(set()) == (None, None)  # scatter enqueued, not done
+        (event,) = copies.events
+        assert worker.take_load_errors() == set()  # reported with the request, not before
+        assert worker.get_finished(set()) == (None, None)
+        event.complete()
+        assert worker.get_finished(set()) == (None, {"a"})
+        assert worker.take_load_errors() == set(missing)
+        assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest), want, strict=True))
+        assert not worker._scattering  # its host buffers are let go
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def test_a_sync_load_lets_each_layer_wait_for_its_own_copies(tmp_path: Path) -> None:
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        key, ids = os.urandom(32), list(range(PER_CHUNK))
+        save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
+        copies.complete_all()
+        assert store.flush(30)
+        copies.events.clear()
+        copies.compute_waits.clear()
+        dest = list(range(PER_CHUNK, 2 * PER_CHUNK))
+        worker.start_loads(KVTierMetadata(loads=[LoadSpec("s", [ChunkLoad((key,), 0, G.chunk_tokens, 0, dest)],
+                                                           sync=True)]))
+        per_layer, whole = copies.events[:-1], copies.events[-1]
+        assert len(per_layer) == G.layers
+        assert copies.compute_waits == []  # the forward pass starts without waiting for the load
+        names = list(caches)
+        for i, name in enumerate(names):
+            worker.wait_for_layer(name)
+            assert copies.compute_waits == per_layer[: i + 1]  # layer i waits for layer i only
+        worker.wait_for_layer(names[0])  # twice: nothing more to wait for
+        assert len(copies.compute_waits) == G.layers
+        worker.get_finished(set())
+        assert worker._scattering  # the chunk's host buffer stays held until the copies are done
+        whole.complete()
+        assert worker.get_finished(set()) == (None, None)  # a sync load is not reported as received
+        assert not worker._scattering
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def test_an_index_buffer_is_reused_only_after_its_copies(tmp_path: Path) -> None:
+    from kvtier.vllm.metadata import SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        for step in range(3):  # the first step's copies stay pending
+            save_step(worker, caches, [SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens,
+                                                list(range(step * PER_CHUNK, (step + 1) * PER_CHUNK)))])
+            if step:
+                copies.events[-1].complete()
+        ring = worker._save_index
+        assert len(ring._all) == 2  # step 1 could not take step 0's buffer; step 2 took step 1's
+        copies.complete_all()
+        assert store.flush(30)
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
