@@ -33,3 +33,64 @@ def test_cuda_round_trip_is_bit_exact_and_allocates_nothing_when_warm(tmp_path: 
         assert got["save_marks"][-1] == got["save_marks"][3]
         assert got["load_marks"][-1] == got["load_marks"][7]
         worker.close()
+
+
+def test_cuda_saves_under_a_full_cuda_graph_round_trip(tmp_path: Path) -> None:
+    """No save_kv_layer hook runs (a full CUDA graph replays the forward pass): wait_for_save
+    copies every layer, behind the forward pass, and the chunks come back bit for bit."""
+    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=128,
+                 dtype=torch.bfloat16)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cuda")
+        got = save_and_reload(store, worker, caches, g, layer_hooks=False)
+        assert got["mismatches"] == []
+        assert worker.take_stats()["save_layers_after_forward"] == 16 * g.layers
+        worker.close()
+
+
+def _busy_compute(seconds: float = 0.3) -> None:
+    """Queue about ``seconds`` of matmuls on the compute stream (returns at once)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    b = a @ a
+    end.record()
+    end.synchronize()
+    for _ in range(max(1, int(seconds * 1e3 / max(start.elapsed_time(end), 1e-3)))):
+        b = a @ a
+    del b
+
+
+def test_cuda_the_model_thread_never_waits_for_copies(tmp_path: Path) -> None:
+    """With compute queued, a step's saves and a synchronous load return before the compute
+    stream is done: the host waited for neither; the data still round-trips."""
+    from kvtier.testing.worker_rig import load_sync, save_step
+    from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
+
+    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=128,
+                 dtype=torch.bfloat16)
+    per_chunk = g.chunk_tokens // g.block_size
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cuda")
+        for c in caches.values():
+            c.copy_(torch.randn(c.shape, device="cuda").to(c.dtype))
+        src = list(range(per_chunk))
+        want = [c[torch.tensor(src, device="cuda")].cpu() for c in caches.values()]
+        key = b"k" * 32
+        _busy_compute()
+        save_step(worker, caches, [SaveSpec("r", (key,), 0, g.chunk_tokens, src)])
+        assert not torch.cuda.current_stream().query()  # the compute is still running
+        assert store.flush(60)  # the writer thread waited for the copies
+        dest = list(range(per_chunk, 2 * per_chunk))
+        _busy_compute()
+        load_sync(worker, [LoadSpec("l", [ChunkLoad((key,), 0, g.chunk_tokens, 0, dest)], sync=True)])
+        assert not torch.cuda.current_stream().query()
+        assert not worker.take_load_errors()
+        got = [c[torch.tensor(dest, device="cuda")].cpu() for c in caches.values()]  # after the layer waits
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        worker.close()
