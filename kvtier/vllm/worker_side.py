@@ -87,6 +87,11 @@ class WorkerSide:
         # saved chunks' buffers whose gathers may still be in flight: kept until done, so a
         # buffer the store let go of is not reused under a copy
         self._saves_in_flight: list[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = []
+        # where the compute stream waits for a step's gathers: at the next step's start
+        # (``begin_step``, before vLLM zeroes or copies blocks) once vLLM is seen calling it,
+        # else right after the forward pass (``wait_for_save``)
+        self._fence_at_step_start = False
+        self._save_fence: torch.cuda.Event | None = None
         self._loads: dict[str, Future[_LoadResult]] = {}
         self._scattering: list[_Scatter] = []
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
@@ -164,12 +169,25 @@ class WorkerSide:
             self._bump(save_layers_after_forward=late)
         self._end_saves(store=True)
 
+    def begin_step(self) -> None:
+        """A step starts (vLLM's ``handle_preemptions``, before it zeroes, copies or computes
+        into any block): the compute stream waits, on the device, for the last step's gathers,
+        which read blocks this step may reuse. Waiting here rather than after the forward
+        pass lets them run beside the sampler."""
+        self._fence_at_step_start = True
+        fence, self._save_fence = self._save_fence, None
+        self.copies.compute_waits_for(fence)
+
     def _end_saves(self, *, store: bool) -> None:
         staged, self._staged = self._staged or [], None
         event = self.copies.record()
         # the gathers read blocks vLLM may hand out again from the next step on: later work on
-        # the compute stream waits for them (on the device; this thread does not)
-        self.copies.compute_waits_for(event)
+        # the compute stream waits for them (on the device; this thread does not). One event
+        # stands for all earlier ones: they are on the same stream.
+        if self._fence_at_step_start:
+            self._save_fence = event
+        else:
+            self.copies.compute_waits_for(event)
         if self._staged_index is not None:
             self._save_index.hold(self._staged_index, event)
             self._staged_index = None
