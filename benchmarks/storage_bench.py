@@ -179,6 +179,10 @@ def _source(p: Params) -> tuple[Any, Any]:
 def w_kv_store(p: Params) -> Result:
     from kvtier import KVCache
 
+    if p.get("staged"):  # the A/B baseline: records assembled in a staging buffer before the write
+        from kvtier import codec
+
+        codec.record_in_place = lambda tensor, header: None
     tokens, kv = _source(p)
     total = kv.numel() * kv.element_size()
     cfg = _config(p, durability=p["durability"], compression=p["compression"],
@@ -434,7 +438,10 @@ def collect(args: argparse.Namespace) -> Result:
     }
     print(f"[storage_bench] {work}: {args.chunks} chunks x {chunk_bytes / MIB:.0f} MiB = "
           f"{total / GIB:.2f} GiB, {args.repeat} round(s)", file=sys.stderr)
-    configs = [(dur, "none") for dur in ("process", "power")] + ([("power", "zstd")] if args.zstd else [])
+    # "staged": the same store with records copied into a staging buffer before they are
+    # written (how every save was written before records were written from their pool buffers)
+    configs = ([(dur, "none") for dur in ("process", "power")] + [("power", "staged")]
+               + ([("power", "zstd")] if args.zstd else []))
     try:
         for rnd in range(0 if args.skip_throughput else args.repeat):
             tag = f"#{rnd + 1}"
@@ -450,13 +457,15 @@ def collect(args: argparse.Namespace) -> Result:
                 for dur, comp in configs:
                     name = f"{backend}/{dur}/{comp}"
                     d = work / f"kv-{backend}-{dur}-{comp}"
-                    p = {**base, "dir": str(d), "backend": backend, "durability": dur, "compression": comp}
+                    staged = comp == "staged"
+                    p = {**base, "dir": str(d), "backend": backend, "durability": dur,
+                         "compression": "none" if staged else comp, "staged": staged}
                     shutil.rmtree(d, ignore_errors=True)
                     r = runner.kvtier(f"store {name} {tag}", "kv_store", p)
                     if r and r.get("failed"):  # e.g. saves dropped: shown as FAILED, no loads
                         out["notes"][name] = r["failed"]
                     out["store"].setdefault(name, []).append(r)
-                    if dur == "power" and r and not r.get("failed"):
+                    if dur == "power" and not staged and r and not r.get("failed"):
                         modes = ["load", "get_into", "get_parallel"] if comp == "none" else ["load"]
                         if comp == "none" and backend == "files":
                             modes += ["host_tier", "host_tier_direct"]

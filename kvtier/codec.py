@@ -34,7 +34,14 @@ MAGIC = b"KVTIER\x00\x01"
 _FIXED = struct.Struct("<8sHHBBBBIQQQQ32s16s16s")
 _U64 = struct.Struct("<Q")
 MAX_NDIM = 8
-MAX_HEADER_BYTES = _FIXED.size + 8 * MAX_NDIM + 8
+
+
+def header_bytes(ndim: int) -> int:
+    """The length of a record's header for a tensor of ``ndim`` dimensions."""
+    return _FIXED.size + 8 * ndim + 8
+
+
+MAX_HEADER_BYTES = header_bytes(MAX_NDIM)
 _MAX_DIM = 1 << 48  # no tensor dimension is larger (256 Ti elements)
 
 CODEC_RAW = 0
@@ -150,7 +157,7 @@ def encode(
         codec = CODEC_RAW
         payload = memoryview(raw).cast("B")
     checksum = xxhash.xxh3_128_digest(payload)
-    header_len = _FIXED.size + 8 * tensor.dim() + 8
+    header_len = header_bytes(tensor.dim())
     head = _FIXED.pack(
         MAGIC, FORMAT_VERSION, header_len, codec, code, LAYOUT_CODES[layout],
         tensor.dim(), num_tokens, token_start, time.time_ns(), raw.nbytes, payload.nbytes,
@@ -176,7 +183,7 @@ def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30,
      created_ns, raw_len, payload_len, key, ns_id, checksum) = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise RecordError("bad magic: not a kvtier record")
-    if header_len != _FIXED.size + 8 * ndim + 8 or ndim > MAX_NDIM or len(mv) < header_len:
+    if header_len != header_bytes(ndim) or ndim > MAX_NDIM or len(mv) < header_len:
         raise RecordError(f"bad header length {header_len} for {ndim} dimensions")
     (stored_hsum,) = _U64.unpack_from(mv, header_len - 8)
     if xxhash.xxh3_64_intdigest(mv[: header_len - 8]) != stored_hsum:
@@ -300,10 +307,35 @@ def record_region(dest: torch.Tensor, header_len: int, size: int) -> memoryview 
     import torch
 
     st = dest.untyped_storage()
-    if (dest.device.type != "cpu" or dest.storage_offset() * dest.element_size() != header_len
+    if (dest.device.type != "cpu" or not dest.is_contiguous()
+            or dest.storage_offset() * dest.element_size() != header_len
             or st.nbytes() < -(-size // PAGE) * PAGE or st.data_ptr() % PAGE):
         return None
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(st).numpy()).cast("B")
+
+
+def record_lead(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Where in a pooled buffer (``lead`` of :meth:`BufferPool.acquire`) to put a chunk of
+    ``shape`` so that its record's header fits in front of it: the header's length, or 0 if
+    the dtype's alignment does not allow it (no record then sits in place)."""
+    n = header_bytes(len(shape))
+    return n if n % dtype.itemsize == 0 else 0
+
+
+def record_in_place(tensor: torch.Tensor, header: bytes) -> memoryview | None:
+    """The whole record of ``tensor`` (encoded raw as ``header`` + its bytes) as one view of
+    its own buffer, if ``tensor`` sits ``len(header)`` bytes into a page-aligned buffer with
+    room to the record's last page (a pooled buffer asked for with :func:`record_lead`).
+    The header is written in front of the payload, which is already there: a backend then
+    writes the record from this memory as it is, with no staging copy (``O_DIRECT`` from the
+    pool). The view runs to the end of the record's last page; the record is its first
+    ``len(header) + tensor.nbytes`` bytes. None where the tensor does not sit so."""
+    size = len(header) + tensor.numel() * tensor.element_size()
+    region = record_region(tensor, len(header), size)
+    if region is None:
+        return None
+    region[: len(header)] = header
+    return region[: -(-size // PAGE) * PAGE]
 
 
 def decode_from(
@@ -334,7 +366,7 @@ def decode_from(
 
     region = None
     if out is None:
-        lead = header.header_len if header.header_len % header.dtype.itemsize == 0 else 0
+        lead = record_lead(header.shape, header.dtype)
         dest = alloc(header.shape, header.dtype, lead=lead) if alloc else torch.empty(header.shape, dtype=header.dtype)
         region = record_region(dest, header.header_len, reader.size) if lead else None
     elif tuple(out.shape) != header.shape or out.dtype != header.dtype:

@@ -151,7 +151,9 @@ class ChunkStore:
         """A pooled host buffer to fill with a chunk and hand to :meth:`put` (no allocation
         per chunk). None when every buffer is in use by the write queue or a load even after
         the host tier gave back what it could: the save is then dropped (and counted here)."""
-        t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest)
+        # the record's header fits in front of the chunk: the writer stores the record from
+        # this buffer as it is (codec.record_in_place), no staging copy
+        t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest, lead=codec.record_lead(shape, dtype))
         if t is None:
             self.counters.add(dropped_saves=1)
             self._warn.warning("pool", "kvtier: no free chunk buffer (the write queue holds them "
@@ -248,8 +250,9 @@ class ChunkStore:
                 p.tensor, key=p.key, namespace_id=p.namespace_id, token_start=p.token_start,
                 num_tokens=p.num_tokens, compression=self.config.compression,
                 level=self.config.compression_level)
+            record = codec.record_in_place(p.tensor, header) if self.config.compression == "none" else None
             items.append(PutItem(p.key, header, payload, p.namespace_id, p.group, p.parent,
-                                 p.token_start, p.num_tokens, p.head))
+                                 p.token_start, p.num_tokens, p.head, record))
         if self.remote is not None:  # write-behind to the shared tier, from the same bytes
             for p, item in zip(batch, items, strict=True):
                 if not p.from_remote:

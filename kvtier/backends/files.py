@@ -173,28 +173,37 @@ class FilePayloads(PayloadStore):
         return errors
 
     async def _write_temps(self, items: list[PutItem]) -> list[str | BaseException]:
-        # One staging buffer per concurrent O_DIRECT writer: at most io_threads records are
-        # in flight, each filling and writing its buffer segment by segment.
+        # A record assembled in place in its (page-aligned) pool buffer is written from it as
+        # it is. Any other is copied through a staging buffer, one per concurrent O_DIRECT
+        # writer: at most io_threads such records are in flight, each filling and writing its
+        # buffer segment by segment.
         free: asyncio.Queue[mmap.mmap] = asyncio.Queue()
-        need = min(_round_up(max(it.size for it in items)), _STAGE_BYTES)
-        while len(self._stage) < min(self.io_threads, len(items)):
-            self._stage.append(_anon_map(need))
-        for i, b in enumerate(self._stage):
-            if len(b) < need:  # grown records: replace (the old buffer is not in use now)
-                self._stage[i] = b = _anon_map(need)
-            free.put_nowait(b)
+        staged = [it for it in items if _in_place(it) is None]
+        if staged:
+            need = min(_round_up(max(it.size for it in staged)), _STAGE_BYTES)
+            while len(self._stage) < min(self.io_threads, len(staged)):
+                self._stage.append(_anon_map(need))
+            for i, b in enumerate(self._stage):
+                if len(b) < need:  # grown records: replace (the old buffer is not in use now)
+                    self._stage[i] = b = _anon_map(need)
+                free.put_nowait(b)
         return await asyncio.gather(*(self._write_one(it, free) for it in items), return_exceptions=True)
 
     async def _write_one(self, it: PutItem, free: asyncio.Queue[mmap.mmap]) -> str:
         tmp = str(self._tmp / f"{os.getpid()}-{threading.get_ident()}-{it.key.hex()[:16]}.tmp")
         try:
             if self._direct_write is not False:
-                buf = await free.get()
-                try:
-                    if await self._write_direct(tmp, it, buf):
+                record = _in_place(it)
+                if record is not None:
+                    if await self._write_direct(tmp, it, record):
                         return tmp
-                finally:
-                    free.put_nowait(buf)
+                else:
+                    buf = await free.get()
+                    try:
+                        if await self._write_direct(tmp, it, buf):
+                            return tmp
+                    finally:
+                        free.put_nowait(buf)
             async with aiofiles.open(tmp, "wb", opener=lambda p, f: _owner_only(p, f | os.O_TRUNC),
                                      executor=self._pool) as f:
                 await f.write(it.header)
@@ -207,20 +216,29 @@ class FilePayloads(PayloadStore):
             raise
         return tmp
 
-    async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap) -> bool:
-        """Write the record with O_DIRECT through ``buf``; False if the filesystem refuses it."""
+    async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview) -> bool:
+        """Write the record with O_DIRECT, through the staging buffer ``buf``, or straight
+        from ``buf`` when it is the record itself (``_in_place``); False if the filesystem
+        refuses O_DIRECT."""
         loop = asyncio.get_running_loop()
         total = it.size
+        in_place = buf is it.record
+        if in_place:  # the padding up to the last page goes to disk too (then truncated)
+            np.frombuffer(buf, dtype=np.uint8)[total:] = 0
         try:
             # buffering=0: a raw FileIO, so each write() is one write(2) of the aligned view
             async with aiofiles.open(tmp, "wb", buffering=0, executor=self._pool,
                                      opener=lambda p, f: _owner_only(p, f | os.O_TRUNC | os.O_DIRECT)) as f:
                 pos = 0
                 while pos < total:
-                    n = min(len(buf), total - pos)
-                    # the copy runs on the pool too: numpy releases the GIL while copying
-                    m = await loop.run_in_executor(self._pool, _stage_segment, buf, it, pos, n)
-                    if await f.write(memoryview(buf)[:m]) != m:
+                    if in_place:
+                        n = min(_STAGE_BYTES, total - pos)
+                        view = memoryview(buf)[pos : pos + _round_up(n)]
+                    else:
+                        n = min(len(buf), total - pos)
+                        # the copy runs on the pool too: numpy releases the GIL while copying
+                        view = memoryview(buf)[: await loop.run_in_executor(self._pool, _stage_segment, buf, it, pos, n)]
+                    if await f.write(view) != len(view):
                         raise OSError(errno.EIO, f"short O_DIRECT write to {tmp}")
                     pos += n
                 if _round_up(total) != total:  # drop the padding: the file is exactly the record
@@ -329,6 +347,16 @@ def _anon_map(size: int) -> mmap.mmap:
     # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which a forked child
     # would share with its parent, so two processes' writers would fill the same buffer.
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _in_place(it: PutItem) -> memoryview | None:
+    """The record's own buffer, if it can be written with O_DIRECT as it is (see
+    ``PutItem.record``): page-aligned, in whole pages, covering the record."""
+    rec = it.record
+    if (rec is None or len(rec) % _ALIGN or len(rec) < it.size
+            or np.frombuffer(rec, dtype=np.uint8).ctypes.data % _ALIGN):
+        return None
+    return rec
 
 
 def _round_up(n: int) -> int:

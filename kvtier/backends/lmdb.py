@@ -70,17 +70,22 @@ class LmdbPayloads(PayloadStore):
         return [OSError("LMDB map full after growing it 8 times")] * len(items)
 
     def _put_txn(self, items: list[PutItem], locations: list[int]) -> None:
-        # py-lmdb has no MDB_RESERVE: each value is assembled in one reused staging buffer
-        need = max(it.size for it in items)
+        # py-lmdb has no MDB_RESERVE: a value not already assembled in place (PutItem.record)
+        # is assembled in one reused staging buffer
+        need = max((it.size for it in items if it.record is None), default=0)
         if len(self._staging) < need:
             self._staging = bytearray(need)
         staging = memoryview(self._staging)
         with self.env.txn(write=True) as txn:
             for it, loc in zip(items, locations, strict=True):
-                hl = len(it.header)
-                staging[:hl] = it.header
-                staging[hl : it.size] = it.payload.cast("B")
-                txn.put(_dbkey(it.key, loc), staging[: it.size], db=self._records)
+                if it.record is not None:
+                    value = it.record[: it.size]
+                else:
+                    hl = len(it.header)
+                    staging[:hl] = it.header
+                    staging[hl : it.size] = it.payload.cast("B")
+                    value = staging[: it.size]
+                txn.put(_dbkey(it.key, loc), value, db=self._records)
 
     def delete(self, entries: list[EntryInfo]) -> None:
         if not entries or self.env.readonly:

@@ -33,6 +33,10 @@ class PutItem:
     token_start: int = 0
     num_tokens: int = 0
     head: bytes | None = None  # the key of its chain's first chunk (None: found from the parent)
+    # The record already assembled in one buffer (header in front of the payload, see
+    # codec.record_in_place): page-aligned, running to the end of the record's last page;
+    # the record is its first ``size`` bytes. None: the store assembles header + payload.
+    record: memoryview | None = None
 
     @property
     def size(self) -> int:
