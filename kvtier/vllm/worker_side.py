@@ -8,8 +8,9 @@ may be reused next step) and hands the chunks to the write-behind store with the
 writer thread waits on. The model's thread never waits for a copy or for storage.
 
 Loads: ``start_load_kv`` starts one background job per request that reads and verifies its
-chunks; ``get_finished`` enqueues the scatter of a finished job into the request's blocks and
-reports the request once the copies are done (an event, polled). Synchronous loads
+chunks, several at once; each ``get_finished`` enqueues the scatter of the chunks that have
+arrived so far into the request's blocks (so the copies overlap the reads of later chunks),
+and reports the request once its job is done and all its copies are (an event, polled). Synchronous loads
 (``load_async: false``) read before the forward pass and scatter layer by layer:
 ``wait_for_layer_load`` makes the compute stream wait for its layer only. Blocks whose chunk
 was missing or corrupt are reported through ``get_block_ids_with_load_errors`` so vLLM
@@ -53,6 +54,18 @@ class _LoadResult:
 
 
 @dataclass
+class _LoadJob:
+    """An asynchronous load in progress. Its reader thread appends each verified chunk to
+    ``res.loaded``, in order, as it arrives; the model's thread enqueues the copies of those
+    that arrived since its last look (``taken`` so far)."""
+    spec: LoadSpec
+    res: _LoadResult
+    future: Future[_LoadResult]
+    taken: int = 0
+    broken: bool = False  # a copy failed: the later chunks are not copied (they are failed)
+
+
+@dataclass
 class _Scatter:
     """Loaded chunks whose copies into the KV cache are in flight: their host tensors stay
     referenced (their buffers are not reused) until ``event`` is done."""
@@ -92,7 +105,7 @@ class WorkerSide:
         # else right after the forward pass (``wait_for_save``)
         self._fence_at_step_start = False
         self._save_fence: torch.cuda.Event | None = None
-        self._loads: dict[str, Future[_LoadResult]] = {}
+        self._loads: dict[str, _LoadJob] = {}
         self._scattering: list[_Scatter] = []
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
         self._load_errors: set[int] = set()
@@ -221,10 +234,11 @@ class WorkerSide:
             if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
                 sync.append(self._read(spec))
             elif spec.req_id not in self._loads:
-                self._loads[spec.req_id] = self._pool.submit(self._read, spec)
+                res = _LoadResult()
+                self._loads[spec.req_id] = _LoadJob(spec, res, self._pool.submit(self._read, spec, res))
         if sync:
             # layer by layer: the first layers compute while later ones are still copied
-            event = self._scatter(sync, layer_events=True)
+            event, _ = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
             self._scattering.append(_Scatter(None, event, sync))
             for res in sync:  # a synchronous load's failures are reported in its own step
                 self._report(res)
@@ -235,15 +249,16 @@ class WorkerSide:
         if li is not None and li in self._layer_ready:
             self.copies.compute_waits_for(self._layer_ready.pop(li))
 
-    def _read(self, spec: LoadSpec) -> _LoadResult:
-        """Read and verify a request's chunks (a background thread in async mode).
+    def _read(self, spec: LoadSpec, res: _LoadResult | None = None) -> _LoadResult:
+        """Read and verify a request's chunks (a background thread in async mode), appending
+        each verified chunk to ``res.loaded`` as it arrives, in order.
 
         Only storage work happens here: reads, checksums and decoding into host tensors
         release the GIL and use no thread pool of torch's. The copies into vLLM's KV cache
         are enqueued from the thread that drives the model (see ``_scatter``): from a second
         thread they would fight the worker's OpenMP threads for the same cores.
         """
-        res = _LoadResult()
+        res = _LoadResult() if res is None else res
         t0 = time.perf_counter()
         want = (len(self.views), 2)
         # every chunk is read and verified, in parallel on the store's I/O pool, even past a
@@ -264,38 +279,39 @@ class WorkerSide:
         res.seconds = time.perf_counter() - t0
         return res
 
-    def _scatter(self, results: list[_LoadResult], *, layer_events: bool = False) -> torch.cuda.Event | None:
-        """Enqueue the copies of loaded chunks into their blocks, layer by layer (with an
-        event per layer if ``layer_events``); returns the event that marks them all. Never
-        waits for them."""
-        loaded = [item for res in results for item in res.loaded]
+    def _scatter(self, parts: list[tuple[_LoadResult, list[tuple[ChunkLoad, torch.Tensor]]]], *,
+                 layer_events: bool = False) -> tuple[torch.cuda.Event | None, bool]:
+        """Enqueue the copies of loaded chunks (each with the load it belongs to) into their
+        blocks, layer by layer (with an event per layer if ``layer_events``); returns the
+        event that marks them all, and whether they failed (their blocks are then failed).
+        Never waits for them."""
+        loaded = [(res, item) for res, items in parts for item in items]
         index = self._load_index.take()
         failed = False
         try:
             with self.copies.after_compute():
-                indexes = index.upload([chunk.block_ids for chunk, _ in loaded])
+                indexes = index.upload([chunk.block_ids for _, (chunk, _) in loaded])
                 for li, view in enumerate(self.views):
-                    for (chunk, data), idx in zip(loaded, indexes, strict=True):
+                    for (_, (chunk, data)), idx in zip(loaded, indexes, strict=True):
                         skip = chunk.skip_blocks * self.block_size
                         scatter_blocks(view, idx, data[li].narrow(1, skip, data.shape[2] - skip),
                                        non_blocking=self.copies.non_blocking)
                     if layer_events:
                         self._layer_ready[li] = self.copies.record()
-            for res in results:
-                res.tokens += sum(len(chunk.block_ids) for chunk, _ in res.loaded) * self.block_size
+            for res, (chunk, _) in loaded:
+                res.tokens += len(chunk.block_ids) * self.block_size
         except Exception as exc:
             log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
-            for res in results:
-                for chunk, _ in res.loaded:
-                    res.failed_blocks.extend(chunk.block_ids)
-                res.tokens = 0
-            self._layer_ready.clear()
+            for res, (chunk, _) in loaded:
+                res.failed_blocks.extend(chunk.block_ids)
+            if layer_events:  # (a failed asynchronous scatter leaves this step's layer waits be)
+                self._layer_ready.clear()
             failed = True
         event = self.copies.record()
         self._load_index.hold(index, event)
         if failed:  # copies enqueued before the failure must land before vLLM recomputes the blocks
             self.copies.compute_waits_for(event)
-        return event
+        return event, failed
 
     def _report(self, res: _LoadResult) -> None:
         self._load_errors.update(res.failed_blocks)
@@ -318,22 +334,50 @@ class WorkerSide:
         self._scattering = still
         return done
 
+    def _scatter_arrived(self) -> None:
+        """Enqueue the copies of every chunk that arrived since the last call, for all the
+        asynchronous loads in one batch (one index upload), so the copies of a load's first
+        chunks overlap the reads of its later ones; a load whose job is done is handed to
+        ``_retire_loads`` with an event that marks all its copies (they are on one stream)."""
+        parts: list[tuple[_LoadJob, list[tuple[ChunkLoad, torch.Tensor]]]] = []
+        finished: list[tuple[str, _LoadJob]] = []
+        for req_id, job in list(self._loads.items()):
+            if job.future.done():  # checked before the snapshot below: nothing arrives after it
+                del self._loads[req_id]
+                finished.append((req_id, job))
+                try:
+                    job.future.result()
+                except Exception as exc:  # defensive: _read catches storage faults
+                    log.warning("kvtier: load job failed: %s", exc)
+                    # what it verified may still be copied; every later chunk is failed
+                    for chunk in job.spec.chunks[len(job.res.loaded):]:
+                        job.res.failed_blocks.extend(chunk.block_ids)
+            new = job.res.loaded[job.taken :]  # the reader may append meanwhile: a snapshot
+            job.taken += len(new)
+            if job.broken:  # after a failed copy, later chunks are failed, not copied
+                for chunk, _ in new:
+                    job.res.failed_blocks.extend(chunk.block_ids)
+            elif new:
+                parts.append((job, new))
+        event = None
+        if parts:
+            event, failed = self._scatter([(job.res, new) for job, new in parts])
+            for job, _ in parts:
+                job.broken = job.broken or failed
+        if finished:
+            event = event if parts else self.copies.record()
+            for req_id, job in finished:
+                self._scattering.append(_Scatter(req_id, event, [job.res]))
+
     # -- completion ------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._loads:
             # vLLM's engine loop spins on this thread while requests wait for their KV; a
             # short wait here hands the GIL to the reader threads (otherwise each of their
             # GIL-releasing I/O calls waits a whole switch interval to get it back).
-            wait(list(self._loads.values()), timeout=LOAD_POLL_S, return_when=FIRST_COMPLETED)
-        for req_id, fut in list(self._loads.items()):
-            if fut.done():
-                del self._loads[req_id]
-                try:
-                    res = fut.result()
-                except Exception as exc:  # defensive: _read catches storage faults
-                    log.warning("kvtier: load job failed: %s", exc)
-                    res = _LoadResult()
-                self._scattering.append(_Scatter(req_id, self._scatter([res]), [res]))
+            wait([job.future for job in self._loads.values()], timeout=LOAD_POLL_S,
+                 return_when=FIRST_COMPLETED)
+        self._scatter_arrived()
         # reported once their copies are done: on the CPU at once, on a GPU a step or so later
         done_recv = self._retire_loads()
         self._retire_saves()
@@ -371,8 +415,8 @@ class WorkerSide:
                      c["remote_corrupt"])
 
     def close(self) -> None:
-        for fut in self._loads.values():
-            fut.cancel()
+        for job in self._loads.values():
+            job.future.cancel()
         self._pool.shutdown(wait=True)
         self.copies.synchronize()  # shutting down: let the copies in flight land
         self._retire_loads()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -149,7 +150,7 @@ def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path)
         spec = LoadSpec("a", [ChunkLoad((key,), 0, G.chunk_tokens, 0, dest),
                               ChunkLoad((os.urandom(32),), G.chunk_tokens, G.chunk_tokens, 0, missing)])
         worker.start_loads(KVTierMetadata(loads=[spec]))
-        worker._loads["a"].result(30)
+        worker._loads["a"].future.result(30)
         copies.events.clear()
         assert worker.get_finished(set()) == (None, None)  # scatter enqueued, not done
         (event,) = copies.events
@@ -160,6 +161,84 @@ def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path)
         assert worker.take_load_errors() == set(missing)
         assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest), want, strict=True))
         assert not worker._scattering  # its host buffers are let go
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def _gate_loads(store: ChunkStore, n: int) -> list[threading.Event]:
+    """Hold each chunk of the store's next ``load_many`` back until its gate opens: the
+    reads themselves are the store's own; only when each is seen to arrive is controlled."""
+    gates = [threading.Event() for _ in range(n)]
+    real = store.load_many
+
+    def gated(keys):  # noqa: ANN001, ANN202
+        for gate, loaded in zip(gates, real(keys), strict=False):
+            assert gate.wait(60), "a test never opened a gate"
+            yield loaded
+
+    store.load_many = gated  # type: ignore[method-assign]
+    return gates
+
+
+def _wait_for(cond, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
+    """The copies of a load's first chunks are enqueued while its later chunks are still
+    being read (on a GPU they overlap those reads); the request is reported only once every
+    chunk has arrived and every copy is done. A chunk that turns out missing fails its
+    blocks and every later chunk's, and the chunks copied before it stay."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        keys = [os.urandom(32) for _ in range(3)]
+        src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(3)]
+        save_step(worker, caches, [SaveSpec("r", (k,), i * G.chunk_tokens, G.chunk_tokens, ids)
+                                   for i, (k, ids) in enumerate(zip(keys, src, strict=True))])
+        copies.complete_all()
+        assert store.flush(30)
+        want = [_blocks(caches, ids) for ids in src]
+        dest = [list(range((3 + i) * PER_CHUNK, (4 + i) * PER_CHUNK)) for i in range(3)]
+        for c in caches.values():
+            c[torch.tensor([b for d in dest for b in d])] = 0
+        for case, load_keys in (("all there", keys), ("second missing", [keys[0], os.urandom(32), keys[2]])):
+            copies.events.clear()
+            gates = _gate_loads(store, 3)
+            spec = LoadSpec("a", [ChunkLoad((k,), i * G.chunk_tokens, G.chunk_tokens, 0, d)
+                                  for i, (k, d) in enumerate(zip(load_keys, dest, strict=True))])
+            worker.start_loads(KVTierMetadata(loads=[spec]))
+            job = worker._loads["a"]
+            gates[0].set()
+            _wait_for(lambda: len(job.res.loaded) == 1, "the first chunk")  # noqa: B023
+            assert worker.get_finished(set()) == (None, None), case
+            assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest[0]), want[0], strict=True)), \
+                f"{case}: the first chunk was not copied while the others were read"
+            assert len(copies.events) == 1 and not job.future.done(), case
+            gates[1].set()
+            gates[2].set()
+            job.future.result(30)
+            assert worker.get_finished(set()) == (None, None), case  # copies enqueued, not done
+            copies.complete_all()
+            assert worker.get_finished(set()) == (None, {"a"}), case
+            errors = worker.take_load_errors()
+            if case == "all there":
+                assert errors == set(), case
+                for d, w in zip(dest, want, strict=True):
+                    assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True)), case
+            else:
+                assert errors == set(dest[1]) | set(dest[2]), case
+                assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest[0]), want[0], strict=True))
+            assert not worker._scattering and not worker._loads, case
+            del store.load_many  # the store's own again
+            for c in caches.values():
+                c[torch.tensor([b for d in dest for b in d])] = 0
     finally:
         copies.complete_all()
         worker.close()

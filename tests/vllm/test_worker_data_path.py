@@ -65,6 +65,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     for r in rows:
         assert r["pool_slots"] <= r["pool_cap_slots"] and r["dropped_saves"] == 0
         assert r["save_gbs"] > 0 and r["host_load_gbs"] > 0 and r["cold_load_gbs"] > 0
+        assert r["cold_load_async_gbs"] > 0
 
 
 def test_a_step_checks_presence_once_and_skips_stored_chunks(tmp_path: Path) -> None:
