@@ -7,6 +7,7 @@ chunk must hold from the chunk's tokens alone.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import selectors
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import xxhash
 
@@ -280,3 +282,17 @@ def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def skip_without_o_direct(where: Path) -> None:
+    """Skip the test where the filesystem under ``where`` refuses ``O_DIRECT``."""
+    probe = where / "probe"
+    probe.write_bytes(bytes(4096))
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        raise
+    finally:
+        probe.unlink()

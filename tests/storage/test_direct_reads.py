@@ -6,13 +6,12 @@ cache. Real files on the test's filesystem."""
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from kvhelpers import config, make_kv, tokens
+from kvhelpers import config, make_kv, skip_without_o_direct, tokens
 
 from kvtier import CacheConfig, ChunkStore
 from kvtier.backends.files import FilePayloads, cached_pages
@@ -71,22 +70,9 @@ def _cold(store: Path) -> None:
         pytest.skip("this filesystem keeps files in memory (the page cache cannot be dropped)")
 
 
-def _probe_o_direct(where: Path) -> None:
-    probe = where / "probe"
-    probe.write_bytes(bytes(4096))
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            pytest.skip("this filesystem refuses O_DIRECT")
-        raise
-    finally:
-        probe.unlink()
-
-
 @pytest.mark.parametrize("direct", [True, False])
 def test_cold_loads_bypass_the_page_cache(tmp_path: Path, direct: bool) -> None:
-    _probe_o_direct(tmp_path)
+    skip_without_o_direct(tmp_path)
     path = tmp_path / "s"
     chunks = _saved_store(path)
     _cold(path)

@@ -6,28 +6,22 @@ files; every record is read back in a new store and verified bit for bit."""
 
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from kvhelpers import CHUNK, config, make_kv, namespace, open_cache, same_bits, tokens
+from kvhelpers import (
+    CHUNK,
+    config,
+    make_kv,
+    namespace,
+    open_cache,
+    same_bits,
+    skip_without_o_direct,
+    tokens,
+)
 
 from kvtier import ChunkStore, KVCache, codec
-
-
-def _needs_o_direct(where: Path) -> None:
-    probe = where / "probe"
-    probe.write_bytes(bytes(4096))
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            pytest.skip("this filesystem refuses O_DIRECT")
-        raise
-    finally:
-        probe.unlink()
 
 
 def _staging_bytes(store: ChunkStore) -> int:
@@ -40,7 +34,7 @@ def _staging_bytes(store: ChunkStore) -> int:
 
 @pytest.mark.parametrize("backend", ["files", "lmdb"])
 def test_saves_are_written_from_their_pool_buffers(tmp_path: Path, backend: str) -> None:
-    _needs_o_direct(tmp_path)
+    skip_without_o_direct(tmp_path)
     seqs = [tokens(200 + i, 3 * CHUNK + 8) for i in range(3)]  # full chunks and an 8-token tail
     with open_cache(tmp_path / "s", backend) as cache:
         for toks in seqs:
