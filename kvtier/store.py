@@ -11,6 +11,7 @@ serving loop for a storage fault.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -442,7 +443,10 @@ class ChunkStore:
         """Where a chunk loaded for the host tier is decoded: a pooled buffer if one is free
         (``lead``: see :meth:`BufferPool.acquire`)."""
         t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest, lead=lead)
-        return t if t is not None else torch.empty(shape, dtype=dtype)
+        if t is None:  # every buffer is in use (queued saves, loads in flight): never fail a load
+            self.counters.add(unpooled_loads=1)
+            return torch.empty(shape, dtype=dtype)
+        return t
 
     _FAILURES = {
         Outcome.INCOMPATIBLE: ("incompatible_records", "kvtier: skipping record %s: %s"),
@@ -468,15 +472,22 @@ class ChunkStore:
     def load_many(self, keys: Sequence[bytes]) -> Iterator[Loaded]:
         """Load several chunks (into the host tier, as :meth:`load`) in parallel on the I/O
         pool; yield what happened to each, in order, as each is ready. Never raises for a
-        storage fault (an unexpected exception in a load is an ``IO_ERROR``)."""
+        storage fault (an unexpected exception in a load is an ``IO_ERROR``).
+
+        At most twice ``io_threads`` chunks are read ahead of the one the caller is at: the
+        I/O threads stay busy, and a long load holds a bounded number of buffers until the
+        caller is done with the earlier ones (a 128k-token prompt is gigabytes of KV)."""
         if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
             # serial on a pool thread: waiting there for the same pool could deadlock
             for k in keys:
                 yield self._load_guarded(k)
             return
-        futures = [self._loads.submit(self._load_guarded, k) for k in keys]
-        for fut in futures:
-            yield fut.result()
+        ahead = max(2, 2 * self.config.io_threads)
+        futures = collections.deque(self._loads.submit(self._load_guarded, k) for k in keys[:ahead])
+        for i in range(len(keys)):
+            if i + ahead < len(keys):  # the next read starts before this one is handed over
+                futures.append(self._loads.submit(self._load_guarded, keys[i + ahead]))
+            yield futures.popleft().result()  # (no name keeps it here once handed over)
 
     def _load_guarded(self, key: bytes, out: torch.Tensor | None = None, *,
                       out_is_scratch: bool = False) -> Loaded:

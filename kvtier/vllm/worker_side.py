@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 
 import torch
 
@@ -55,11 +57,14 @@ class _LoadResult:
 
 @dataclass
 class _LoadJob:
-    """An asynchronous load in progress. Its reader thread appends each verified chunk to
-    ``res.loaded``, in order, as it arrives; the model's thread enqueues the copies of those
-    that arrived since its last look (``taken`` so far)."""
+    """An asynchronous load in progress. Its reader thread hands each verified chunk over
+    through ``arrived``, in order, as it comes; the model's thread takes what has arrived at
+    each look (``taken`` so far) and enqueues its copies. The job keeps no reference to a
+    chunk it handed over: its buffer goes back to the pool once its copy is done, so a long
+    load cycles through a few buffers instead of holding one per chunk."""
     spec: LoadSpec
     res: _LoadResult
+    arrived: SimpleQueue[tuple[ChunkLoad, torch.Tensor]]
     future: Future[_LoadResult]
     taken: int = 0
     broken: bool = False  # a copy failed: the later chunks are not copied (they are failed)
@@ -234,8 +239,9 @@ class WorkerSide:
             if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
                 sync.append(self._read(spec))
             elif spec.req_id not in self._loads:
-                res = _LoadResult()
-                self._loads[spec.req_id] = _LoadJob(spec, res, self._pool.submit(self._read, spec, res))
+                res, arrived = _LoadResult(), SimpleQueue()
+                self._loads[spec.req_id] = _LoadJob(spec, res, arrived,
+                                                    self._pool.submit(self._read, spec, res, arrived.put))
         if sync:
             # layer by layer: the first layers compute while later ones are still copied
             event, _ = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
@@ -249,9 +255,11 @@ class WorkerSide:
         if li is not None and li in self._layer_ready:
             self.copies.compute_waits_for(self._layer_ready.pop(li))
 
-    def _read(self, spec: LoadSpec, res: _LoadResult | None = None) -> _LoadResult:
-        """Read and verify a request's chunks (a background thread in async mode), appending
-        each verified chunk to ``res.loaded`` as it arrives, in order.
+    def _read(self, spec: LoadSpec, res: _LoadResult | None = None,
+              deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None] | None = None) -> _LoadResult:
+        """Read and verify a request's chunks (a background thread in async mode), handing
+        each verified chunk to ``deliver`` as it arrives, in order (by default: appending it
+        to ``res.loaded``).
 
         Only storage work happens here: reads, checksums and decoding into host tensors
         release the GIL and use no thread pool of torch's. The copies into vLLM's KV cache
@@ -259,13 +267,15 @@ class WorkerSide:
         thread they would fight the worker's OpenMP threads for the same cores.
         """
         res = _LoadResult() if res is None else res
+        deliver = res.loaded.append if deliver is None else deliver
         t0 = time.perf_counter()
         want = (len(self.views), 2)
         # every chunk is read and verified, in parallel on the store's I/O pool, even past a
         # bad one (unused then: the prefix is broken), so corrupt records are found and
         # removed now and the recomputed KV replaces them
         results = self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks])
-        for i, (chunk, loaded) in enumerate(zip(spec.chunks, results, strict=True)):
+        for i, chunk in enumerate(spec.chunks):  # (no zip: its reused tuple would keep a chunk)
+            loaded = next(results)
             data = loaded.tensor
             ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
                   and data.dtype == self.dtype)
@@ -275,7 +285,8 @@ class WorkerSide:
                 for _ in results:  # wait for the rest, as said above
                     pass
                 break
-            res.loaded.append((chunk, data))
+            deliver((chunk, data))
+            del data, loaded  # handed over: not kept while the next chunk is read
         res.seconds = time.perf_counter() - t0
         return res
 
@@ -337,12 +348,18 @@ class WorkerSide:
     def _scatter_arrived(self) -> None:
         """Enqueue the copies of every chunk that arrived since the last call, for all the
         asynchronous loads in one batch (one index upload), so the copies of a load's first
-        chunks overlap the reads of its later ones; a load whose job is done is handed to
-        ``_retire_loads`` with an event that marks all its copies (they are on one stream)."""
+        chunks overlap the reads of its later ones; their buffers are let go once the copies
+        are done. A load whose job is done is handed to ``_retire_loads`` with an event that
+        marks all its copies (they are on one stream)."""
         parts: list[tuple[_LoadJob, list[tuple[ChunkLoad, torch.Tensor]]]] = []
         finished: list[tuple[str, _LoadJob]] = []
         for req_id, job in list(self._loads.items()):
-            if job.future.done():  # checked before the snapshot below: nothing arrives after it
+            done = job.future.done()  # before draining: nothing arrives after a done job's last
+            new = []
+            while not job.arrived.empty():
+                new.append(job.arrived.get_nowait())
+            job.taken += len(new)
+            if done:
                 del self._loads[req_id]
                 finished.append((req_id, job))
                 try:
@@ -350,10 +367,8 @@ class WorkerSide:
                 except Exception as exc:  # defensive: _read catches storage faults
                     log.warning("kvtier: load job failed: %s", exc)
                     # what it verified may still be copied; every later chunk is failed
-                    for chunk in job.spec.chunks[len(job.res.loaded):]:
+                    for chunk in job.spec.chunks[job.taken:]:
                         job.res.failed_blocks.extend(chunk.block_ids)
-            new = job.res.loaded[job.taken :]  # the reader may append meanwhile: a snapshot
-            job.taken += len(new)
             if job.broken:  # after a failed copy, later chunks are failed, not copied
                 for chunk, _ in new:
                     job.res.failed_blocks.extend(chunk.block_ids)
@@ -364,6 +379,9 @@ class WorkerSide:
             event, failed = self._scatter([(job.res, new) for job, new in parts])
             for job, _ in parts:
                 job.broken = job.broken or failed
+            # the chunks' host buffers stay referenced until their copies are done
+            copied = _LoadResult(loaded=[item for _, new in parts for item in new])
+            self._scattering.append(_Scatter(None, event, [copied]))
         if finished:
             event = event if parts else self.copies.record()
             for req_id, job in finished:

@@ -174,9 +174,10 @@ def _gate_loads(store: ChunkStore, n: int) -> list[threading.Event]:
     real = store.load_many
 
     def gated(keys):  # noqa: ANN001, ANN202
-        for gate, loaded in zip(gates, real(keys), strict=False):
+        chunks = real(keys)
+        for gate in gates[: len(keys)]:  # (holds no chunk while it waits)
             assert gate.wait(60), "a test never opened a gate"
-            yield loaded
+            yield next(chunks)
 
     store.load_many = gated  # type: ignore[method-assign]
     return gates
@@ -216,7 +217,7 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
             worker.start_loads(KVTierMetadata(loads=[spec]))
             job = worker._loads["a"]
             gates[0].set()
-            _wait_for(lambda: len(job.res.loaded) == 1, "the first chunk")  # noqa: B023
+            _wait_for(lambda: job.arrived.qsize() == 1, "the first chunk")  # noqa: B023
             assert worker.get_finished(set()) == (None, None), case
             assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest[0]), want[0], strict=True)), \
                 f"{case}: the first chunk was not copied while the others were read"
@@ -243,6 +244,55 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
         copies.complete_all()
         worker.close()
         store.close()
+
+
+def test_a_long_async_load_cycles_through_a_few_pooled_buffers(tmp_path: Path) -> None:
+    """A load of more chunks than the buffer pool holds, read from disk while the engine
+    keeps stepping: a chunk's buffer goes back to the pool once its copy into the KV cache is
+    done, and reads run only a few chunks ahead, so no chunk lands outside the pool (on a GPU:
+    pageable memory, a slow and host-blocking copy), and every chunk arrives intact."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    n, g = 16, Geometry(num_blocks=32 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        try:
+            gen = torch.Generator().manual_seed(2)
+            for c in caches.values():
+                c.copy_(torch.randn(c.shape, generator=gen))
+            keys = [os.urandom(32) for _ in range(n)]
+            src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(n)]
+            for first in range(0, n, 4):  # the write queue holds 4 chunks
+                save_step(worker, caches, [SaveSpec("r", (keys[i],), i * g.chunk_tokens, g.chunk_tokens, src[i])
+                                           for i in range(first, first + 4)])
+                assert store.flush(30)
+            want = [_blocks(caches, ids) for ids in src]
+            worker.get_finished(set())  # a step in between: the saves' buffers are let go
+            store.host.clear()  # every chunk comes from disk
+            assert store.pool.cap_bytes // g.chunk_bytes == 8 < n
+            dest = [list(range((n + i) * PER_CHUNK, (n + i + 1) * PER_CHUNK)) for i in range(n)]
+            gates = _gate_loads(store, n)
+            worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [
+                ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
+                for i, (k, d) in enumerate(zip(keys, dest, strict=True))])]))
+            job, reported = worker._loads["a"], None
+            for i, gate in enumerate(gates):  # one chunk arrives per engine step
+                gate.set()
+                _wait_for(lambda i=i: job.taken + job.arrived.qsize() > i, f"chunk {i}")
+                _, reported = worker.get_finished(set())
+            job.future.result(30)
+            while not reported:
+                _, reported = worker.get_finished(set())
+            assert reported == {"a"} and worker.take_load_errors() == set()
+            for d, w in zip(dest, want, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
+            counters = store.counters.snapshot()
+            assert counters["hits_disk"] == n
+            assert counters["unpooled_loads"] == 0, "chunks were loaded outside the pool"
+        finally:
+            worker.close()
 
 
 def test_a_sync_load_lets_each_layer_wait_for_its_own_copies(tmp_path: Path) -> None:
