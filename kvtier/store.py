@@ -113,6 +113,10 @@ class ChunkStore:
         # (and the remote tier's upload queue, which holds them until uploaded).
         self.pool = BufferPool(int(config.host_bytes) + int(config.write_queue_bytes)
                                + (int(config.remote_queue_bytes) if self.remote else 0))
+        # buffers handed out by buffer() and not yet written: only these may have a record's
+        # header written in front of them (memory the store owns, written once); by id, as
+        # tensors compare element by element
+        self._fresh: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._pending: dict[bytes, _Pending] = {}
         self._queue: list[_Pending] = []
         self._queued_bytes = 0
@@ -159,6 +163,8 @@ class ChunkStore:
             self.counters.add(dropped_saves=1)
             self._warn.warning("pool", "kvtier: no free chunk buffer (the write queue holds them "
                                "all); dropping saves")
+        else:
+            self._fresh[id(t)] = t
         return t
 
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
@@ -251,7 +257,10 @@ class ChunkStore:
                 p.tensor, key=p.key, namespace_id=p.namespace_id, token_start=p.token_start,
                 num_tokens=p.num_tokens, compression=self.config.compression,
                 level=self.config.compression_level)
-            record = codec.record_in_place(p.tensor, header) if self.config.compression == "none" else None
+            # in place only in a buffer from buffer(), once: never in a caller's own memory, nor
+            # twice in one buffer put under two keys
+            fresh = self._fresh.pop(id(p.tensor), None) is p.tensor
+            record = codec.record_in_place(p.tensor, header) if fresh and self.config.compression == "none" else None
             items.append(PutItem(p.key, header, payload, p.namespace_id, p.group, p.parent,
                                  p.token_start, p.num_tokens, p.head, record))
         if self.remote is not None:  # write-behind to the shared tier, from the same bytes

@@ -325,9 +325,10 @@ class WorkerSide:
         return event, failed
 
     def _report(self, res: _LoadResult) -> None:
-        self._load_errors.update(res.failed_blocks)
+        failed = set(res.failed_blocks)  # (a block failed twice over is one block)
+        self._load_errors.update(failed)
         self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
-                   load_failed_blocks=len(res.failed_blocks), load_requests=1)
+                   load_failed_blocks=len(failed), load_requests=1)
 
     def _retire_loads(self) -> set[str]:
         """Release loads whose copies are done; the asynchronous ones among them are reported."""
@@ -376,7 +377,14 @@ class WorkerSide:
                 parts.append((job, new))
         event = None
         if parts:
-            event, failed = self._scatter([(job.res, new) for job, new in parts])
+            try:
+                event, failed = self._scatter([(job.res, new) for job, new in parts])
+            except Exception as exc:  # outside its own guard (e.g. a device error): never lose a job
+                log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
+                for job, new in parts:
+                    for chunk, _ in new:
+                        job.res.failed_blocks.extend(chunk.block_ids)
+                event, failed = None, True
             for job, _ in parts:
                 job.broken = job.broken or failed
             # the chunks' host buffers stay referenced until their copies are done

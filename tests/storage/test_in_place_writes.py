@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from kvhelpers import (
     CHUNK,
     config,
@@ -117,3 +118,36 @@ def test_record_in_place_places_the_header_in_front_of_the_payload(tmp_path: Pat
         assert bytes(rec[: len(header)]) == header and bytes(rec[len(header) : size]) == bytes(payload)
         decoded = codec.decode(rec[:size], expect_key=bytes(32))[1]
         assert same_bits(decoded, kv)
+
+
+@pytest.mark.parametrize("backend", ["files", "lmdb"])
+def test_only_the_stores_own_buffers_are_written_in_place(tmp_path: Path, backend: str) -> None:
+    """A caller's tensor that happens to sit a header's length into page-aligned memory is
+    not written into (the bytes around it stay the caller's), and one pooled buffer put
+    under two keys is written in place at most once: both records read back as saved."""
+    from kvtier.buffer_pool import BufferPool
+
+    kv = make_kv(tokens(600, CHUNK))
+    shape = tuple(kv.shape)
+    theirs = BufferPool(1 << 20).acquire(shape, kv.dtype, lead=codec.record_lead(shape, kv.dtype))
+    assert theirs is not None
+    around = theirs.untyped_storage()
+    mem = np.frombuffer(memoryview(torch.empty(0, dtype=torch.uint8).set_(around).numpy()), dtype=np.uint8)
+    mem[:] = 0xAB
+    theirs.copy_(kv)
+    before = mem.copy()
+    key_a, key_b, key_c = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
+    with ChunkStore(config(tmp_path / "s", backend)) as store:
+        assert store.put(key_a, theirs, namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+        ours = store.buffer(shape, kv.dtype)
+        ours.copy_(kv)
+        for key in (key_b, key_c):
+            assert store.put(key, ours, namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+        assert store.flush(60)
+        assert np.array_equal(mem, before), "the store wrote into a caller's memory"
+    with ChunkStore(config(tmp_path / "s", backend)) as store:
+        for key in (key_a, key_b, key_c):
+            got = store.load(key)
+            assert got.tensor is not None, (key[0], got.outcome, got.why)
+            assert same_bits(got.tensor, kv)
+        assert store.counters.snapshot()["corrupt_records"] == 0
