@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import types
 from dataclasses import dataclass
 
@@ -149,3 +150,47 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
             mismatches.append(key.hex()[:16])
         load_marks.append((store.pool.created, worker._load_index.allocations))
     return {"save_marks": save_marks, "load_marks": load_marks, "mismatches": mismatches}
+
+
+def async_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
+                         chunks: int, seed: int = 0) -> dict[str, object]:
+    """Save ``chunks`` chunks of random KV (a few per step, as the write queue allows), let
+    them go to disk, empty the host tier, then load them all back in one asynchronous load
+    into other blocks, polling ``get_finished`` as vLLM's engine loop does until the request
+    is reported. Returns the chunks that came back different (``mismatches``: must be empty),
+    the failed blocks, and the store's ``unpooled_loads`` (chunks that found no free pooled
+    buffer). Needs ``g.num_blocks`` ≥ 2 × ``chunks`` × blocks per chunk."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    per_chunk = g.chunk_tokens // g.block_size
+    gen = torch.Generator().manual_seed(seed)
+    for c in caches.values():
+        c.copy_(torch.randn(c.shape, generator=gen).to(c.dtype))
+
+    def blocks(ids: list[int]) -> list[torch.Tensor]:
+        return [c[torch.tensor(ids, device=c.device)].cpu() for c in caches.values()]
+
+    keys = [os.urandom(32) for _ in range(chunks)]
+    src = [list(range(i * per_chunk, (i + 1) * per_chunk)) for i in range(chunks)]
+    step = max(1, int(store.config.write_queue_bytes) // g.chunk_bytes)
+    for first in range(0, chunks, step):
+        save_step(worker, caches, [SaveSpec("r", (keys[i],), i * g.chunk_tokens, g.chunk_tokens, src[i])
+                                   for i in range(first, min(chunks, first + step))])
+        store.flush(60)
+        worker.get_finished(set())  # a step in between: the saves' buffers are let go
+    want = [blocks(ids) for ids in src]
+    store.host.clear()
+    before = store.counters.snapshot()["unpooled_loads"]
+    dest = [list(range((chunks + i) * per_chunk, (chunks + i + 1) * per_chunk)) for i in range(chunks)]
+    worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [
+        ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
+        for i, (k, d) in enumerate(zip(keys, dest, strict=True))])]))
+    deadline = time.monotonic() + 120
+    while "a" not in (worker.get_finished(set())[1] or ()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the asynchronous load was never reported")
+    failed = worker.take_load_errors()
+    mismatches = [keys[i].hex()[:16] for i, d in enumerate(dest)
+                  if not all(torch.equal(a, b) for a, b in zip(blocks(d), want[i], strict=True))]
+    return {"mismatches": mismatches, "failed_blocks": sorted(failed),
+            "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - before}

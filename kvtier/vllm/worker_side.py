@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from queue import SimpleQueue
+from queue import Empty, Full, Queue
 
 import torch
 
@@ -61,10 +61,12 @@ class _LoadJob:
     through ``arrived``, in order, as it comes; the model's thread takes what has arrived at
     each look (``taken`` so far) and enqueues its copies. The job keeps no reference to a
     chunk it handed over: its buffer goes back to the pool once its copy is done, so a long
-    load cycles through a few buffers instead of holding one per chunk."""
+    load cycles through a few buffers instead of holding one per chunk. ``arrived`` is
+    bounded: a reader ahead of the steps waits rather than fill the pool (a chunk that finds
+    no pooled buffer lands in new, pageable memory, whose copy to a GPU stalls the model)."""
     spec: LoadSpec
     res: _LoadResult
-    arrived: SimpleQueue[tuple[ChunkLoad, torch.Tensor]]
+    arrived: Queue[tuple[ChunkLoad, torch.Tensor]]
     future: Future[_LoadResult]
     taken: int = 0
     broken: bool = False  # a copy failed: the later chunks are not copied (they are failed)
@@ -94,6 +96,11 @@ class WorkerSide:
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
         # step allocates (the first saves would pay for new pinned memory on this thread)
         store.reserve_buffers((len(self.views), 2, namespace.chunk_tokens, self.heads, self.head_dim), self.dtype)
+        # chunks a load may have read but not yet copied: what the host tier's share of the
+        # pool holds, less what the store reads ahead (ChunkStore.load_many) and two in hand
+        host_chunks = int(store.config.host_bytes) // max(1, store.pool.chunk_bytes)
+        self._arrived_max = max(1, host_chunks - 2 * store.config.io_threads - 2)
+        self._closing = False
         # block ids go to the device once per step, not per layer and chunk; a step's buffer
         # is reused only once its copies are done (they are never awaited on this thread)
         self._save_index = IndexRing(self.copies.device)
@@ -239,9 +246,9 @@ class WorkerSide:
             if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
                 sync.append(self._read(spec))
             elif spec.req_id not in self._loads:
-                res, arrived = _LoadResult(), SimpleQueue()
-                self._loads[spec.req_id] = _LoadJob(spec, res, arrived,
-                                                    self._pool.submit(self._read, spec, res, arrived.put))
+                res, arrived = _LoadResult(), Queue(self._arrived_max)
+                self._loads[spec.req_id] = _LoadJob(spec, res, arrived, self._pool.submit(
+                    self._read, spec, res, lambda item, q=arrived: self._hand_over(q, item)))
         if sync:
             # layer by layer: the first layers compute while later ones are still copied
             event, _ = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
@@ -346,6 +353,18 @@ class WorkerSide:
         self._scattering = still
         return done
 
+    def _hand_over(self, arrived: Queue[tuple[ChunkLoad, torch.Tensor]],
+                   item: tuple[ChunkLoad, torch.Tensor]) -> None:
+        """(A reader thread.) Hand a verified chunk to the model's thread, waiting while as
+        many as allowed are waiting for their copies; give up if the worker closes."""
+        while True:
+            try:
+                arrived.put(item, timeout=0.05)
+                return
+            except Full:
+                if self._closing:
+                    raise RuntimeError("the worker closed during a load") from None
+
     def _scatter_arrived(self) -> None:
         """Enqueue the copies of every chunk that arrived since the last call, for all the
         asynchronous loads in one batch (one index upload), so the copies of a load's first
@@ -357,8 +376,11 @@ class WorkerSide:
         for req_id, job in list(self._loads.items()):
             done = job.future.done()  # before draining: nothing arrives after a done job's last
             new = []
-            while not job.arrived.empty():
-                new.append(job.arrived.get_nowait())
+            while True:
+                try:
+                    new.append(job.arrived.get_nowait())
+                except Empty:
+                    break
             job.taken += len(new)
             if done:
                 del self._loads[req_id]
@@ -441,6 +463,7 @@ class WorkerSide:
                      c["remote_corrupt"])
 
     def close(self) -> None:
+        self._closing = True  # a reader waiting to hand a chunk over gives up
         for job in self._loads.values():
             job.future.cancel()
         self._pool.shutdown(wait=True)

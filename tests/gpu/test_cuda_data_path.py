@@ -11,7 +11,7 @@ import torch
 
 from kvtier import CacheConfig
 from kvtier.store import ChunkStore
-from kvtier.testing.worker_rig import Geometry, make_worker, save_and_reload
+from kvtier.testing.worker_rig import Geometry, async_load_from_disk, make_worker, save_and_reload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -32,6 +32,22 @@ def test_cuda_round_trip_is_bit_exact_and_allocates_nothing_when_warm(tmp_path: 
         assert {m[0] for m in got["save_marks"] + got["load_marks"]} == {reserved}
         assert got["save_marks"][-1] == got["save_marks"][3]
         assert got["load_marks"][-1] == got["load_marks"][7]
+        worker.close()
+
+
+def test_cuda_a_long_async_load_from_disk_stays_in_pinned_pool_buffers(tmp_path: Path) -> None:
+    """Three times as many chunks as the pinned pool holds, from disk, in one asynchronous
+    load: each chunk's buffer comes back once its host-to-device copy is done, so none is
+    loaded into pageable memory; bit-exact."""
+    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=2 * 24 * 16,
+                 dtype=torch.bfloat16)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cuda")
+        got = async_load_from_disk(store, worker, caches, g, chunks=24)
+        assert got["mismatches"] == [] and got["failed_blocks"] == []
+        assert got["unpooled_loads"] == 0
         worker.close()
 
 

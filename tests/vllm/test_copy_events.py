@@ -224,7 +224,10 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
             assert len(copies.events) == 1 and not job.future.done(), case
             gates[1].set()
             gates[2].set()
-            job.future.result(30)
+            # the engine steps on; a reader ahead of them waits to hand its chunks over
+            _wait_for(lambda: worker.get_finished(set()) == (None, None) and "a" not in worker._loads,
+                      "the whole load")
+            assert job.future.done(), case
             assert worker.get_finished(set()) == (None, None), case  # copies enqueued, not done
             copies.complete_all()
             assert worker.get_finished(set()) == (None, {"a"}), case

@@ -14,7 +14,13 @@ import pytest
 
 from kvtier import CacheConfig
 from kvtier.store import ChunkStore
-from kvtier.testing.worker_rig import Geometry, make_worker, save_and_reload, save_step
+from kvtier.testing.worker_rig import (
+    Geometry,
+    async_load_from_disk,
+    make_worker,
+    save_and_reload,
+    save_step,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,6 +53,23 @@ def test_steady_state_saves_and_loads_allocate_nothing_and_round_trip(tmp_path: 
         assert marks[-1][1] == marks[7][1], f"index buffers grew after warm-up: {marks}"
         assert store.pool.allocated_bytes <= store.pool.cap_bytes
         assert store.counters.snapshot()["dropped_saves"] == 0
+        worker.close()
+
+
+@pytest.mark.parametrize("content", ["kv_last", "cpu"])
+def test_a_long_async_load_from_disk_stays_in_the_pool(tmp_path: Path, content: str) -> None:
+    """Three times as many chunks as the buffer pool holds, loaded in one asynchronous load
+    polled as vLLM polls it: bit-exact, and no chunk lands outside the pool (tests/gpu runs
+    the same on CUDA, where such a chunk would be pageable memory)."""
+    g = Geometry(num_blocks=2 * 24 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, content, "cpu")
+        got = async_load_from_disk(store, worker, caches, g, chunks=24)
+        assert got["mismatches"] == [] and got["failed_blocks"] == []
+        assert got["unpooled_loads"] == 0
+        assert store.counters.snapshot()["hits_disk"] == 24
         worker.close()
 
 
