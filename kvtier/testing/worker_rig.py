@@ -153,13 +153,16 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
 
 
 def async_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
-                         chunks: int, seed: int = 0) -> dict[str, object]:
+                         chunks: int, seed: int = 0, idle_s: float = 0.0) -> dict[str, object]:
     """Save ``chunks`` chunks of random KV (a few per step, as the write queue allows), let
     them go to disk, empty the host tier, then load them all back in one asynchronous load
     into other blocks, polling ``get_finished`` as vLLM's engine loop does until the request
     is reported. Returns the chunks that came back different (``mismatches``: must be empty),
     the failed blocks, and the store's ``unpooled_loads`` (chunks that found no free pooled
-    buffer). Needs ``g.num_blocks`` ≥ 2 × ``chunks`` × blocks per chunk."""
+    buffer). ``idle_s``: the engine makes no step for that long after the load starts (a long
+    forward pass); ``idle_waiting`` is how many chunks then wait for their copies and
+    ``idle_done`` whether the load had finished reading. Needs ``g.num_blocks`` ≥ 2 ×
+    ``chunks`` × blocks per chunk."""
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
     per_chunk = g.chunk_tokens // g.block_size
@@ -185,6 +188,11 @@ def async_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geom
     worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [
         ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
         for i, (k, d) in enumerate(zip(keys, dest, strict=True))])]))
+    idle: dict[str, object] = {}
+    if idle_s:
+        time.sleep(idle_s)
+        job = worker._loads["a"]
+        idle = {"idle_waiting": job.arrived.qsize(), "idle_done": job.future.done()}
     deadline = time.monotonic() + 120
     while "a" not in (worker.get_finished(set())[1] or ()):
         if time.monotonic() > deadline:
@@ -193,4 +201,4 @@ def async_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geom
     mismatches = [keys[i].hex()[:16] for i, d in enumerate(dest)
                   if not all(torch.equal(a, b) for a, b in zip(blocks(d), want[i], strict=True))]
     return {"mismatches": mismatches, "failed_blocks": sorted(failed),
-            "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - before}
+            "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - before, **idle}

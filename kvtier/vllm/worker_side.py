@@ -20,9 +20,10 @@ recomputes them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from queue import Empty, Full, Queue
 
@@ -96,11 +97,15 @@ class WorkerSide:
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
         # step allocates (the first saves would pay for new pinned memory on this thread)
         store.reserve_buffers((len(self.views), 2, namespace.chunk_tokens, self.heads, self.head_dim), self.dtype)
-        # chunks a load may have read but not yet copied: what the host tier's share of the
-        # pool holds, less what the store reads ahead (ChunkStore.load_many) and two in hand
+        # chunks a load may have read but not yet copied: half of what the host tier's share
+        # of the pool holds once what the store reads ahead (ChunkStore.load_many) and two in
+        # hand are set aside (the queue refills while the last batch is copied); at least one
+        # per I/O thread, or a small host tier would starve the reads
         host_chunks = int(store.config.host_bytes) // max(1, store.pool.chunk_bytes)
-        self._arrived_max = max(1, host_chunks - 2 * store.config.io_threads - 2)
+        io = store.config.io_threads
+        self._arrived_max = max(io, (host_chunks - 2 * io - 2) // 2)
         self._closing = False
+        self._load_signal = threading.Event()  # set by a reader when a chunk or a job is ready
         # block ids go to the device once per step, not per layer and chunk; a step's buffer
         # is reused only once its copies are done (they are never awaited on this thread)
         self._save_index = IndexRing(self.copies.device)
@@ -247,8 +252,9 @@ class WorkerSide:
                 sync.append(self._read(spec))
             elif spec.req_id not in self._loads:
                 res, arrived = _LoadResult(), Queue(self._arrived_max)
-                self._loads[spec.req_id] = _LoadJob(spec, res, arrived, self._pool.submit(
-                    self._read, spec, res, lambda item, q=arrived: self._hand_over(q, item)))
+                future = self._pool.submit(self._read, spec, res, lambda item, q=arrived: self._hand_over(q, item))
+                future.add_done_callback(lambda _: self._load_signal.set())
+                self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
         if sync:
             # layer by layer: the first layers compute while later ones are still copied
             event, _ = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
@@ -360,6 +366,7 @@ class WorkerSide:
         while True:
             try:
                 arrived.put(item, timeout=0.05)
+                self._load_signal.set()
                 return
             except Full:
                 if self._closing:
@@ -422,9 +429,11 @@ class WorkerSide:
         if self._loads:
             # vLLM's engine loop spins on this thread while requests wait for their KV; a
             # short wait here hands the GIL to the reader threads (otherwise each of their
-            # GIL-releasing I/O calls waits a whole switch interval to get it back).
-            wait([job.future for job in self._loads.values()], timeout=LOAD_POLL_S,
-                 return_when=FIRST_COMPLETED)
+            # GIL-releasing I/O calls waits a whole switch interval to get it back). It ends
+            # as soon as a reader hands a chunk over or finishes.
+            self._load_signal.clear()
+            if not any(job.future.done() or not job.arrived.empty() for job in self._loads.values()):
+                self._load_signal.wait(LOAD_POLL_S)
         self._scatter_arrived()
         # reported once their copies are done: on the CPU at once, on a GPU a step or so later
         done_recv = self._retire_loads()

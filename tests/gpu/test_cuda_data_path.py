@@ -39,13 +39,13 @@ def test_cuda_a_long_async_load_from_disk_stays_in_pinned_pool_buffers(tmp_path:
     """Three times as many chunks as the pinned pool holds, from disk, in one asynchronous
     load: each chunk's buffer comes back once its host-to-device copy is done, so none is
     loaded into pageable memory; bit-exact."""
-    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=2 * 24 * 16,
+    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=2 * 48 * 16,
                  dtype=torch.bfloat16)
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
-                      write_queue_bytes=4 * g.chunk_bytes)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=12 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, g, "kv_last", "cuda")
-        got = async_load_from_disk(store, worker, caches, g, chunks=24)
+        got = async_load_from_disk(store, worker, caches, g, chunks=48)
         assert got["mismatches"] == [] and got["failed_blocks"] == []
         assert got["unpooled_loads"] == 0
         worker.close()

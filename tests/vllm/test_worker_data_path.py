@@ -61,15 +61,31 @@ def test_a_long_async_load_from_disk_stays_in_the_pool(tmp_path: Path, content: 
     """Three times as many chunks as the buffer pool holds, loaded in one asynchronous load
     polled as vLLM polls it: bit-exact, and no chunk lands outside the pool (tests/gpu runs
     the same on CUDA, where such a chunk would be pageable memory)."""
-    g = Geometry(num_blocks=2 * 24 * PER_CHUNK)
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+    g = Geometry(num_blocks=2 * 48 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=12 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, g, content, "cpu")
-        got = async_load_from_disk(store, worker, caches, g, chunks=24)
+        got = async_load_from_disk(store, worker, caches, g, chunks=48)
         assert got["mismatches"] == [] and got["failed_blocks"] == []
         assert got["unpooled_loads"] == 0
-        assert store.counters.snapshot()["hits_disk"] == 24
+        assert store.counters.snapshot()["hits_disk"] == 48
+        worker.close()
+
+
+def test_a_load_reading_ahead_of_the_steps_waits_for_them(tmp_path: Path) -> None:
+    """While the engine makes no step (a long forward pass), a load's reader hands over only
+    as many chunks as may wait for their copies, then waits, instead of reading on into new
+    memory; once the steps come, the load completes, bit-exact, all inside the pool."""
+    g = Geometry(num_blocks=2 * 48 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=12 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        got = async_load_from_disk(store, worker, caches, g, chunks=48, idle_s=0.5)
+        assert got["idle_waiting"] == worker._arrived_max < 48 and not got["idle_done"]
+        assert got["mismatches"] == [] and got["failed_blocks"] == []
+        assert got["unpooled_loads"] == 0
         worker.close()
 
 
