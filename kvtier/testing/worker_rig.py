@@ -152,12 +152,13 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
     return {"save_marks": save_marks, "load_marks": load_marks, "mismatches": mismatches}
 
 
-def async_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
-                         chunks: int, seed: int = 0, idle_s: float = 0.0) -> dict[str, object]:
+def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
+                        chunks: int, seed: int = 0, idle_s: float = 0.0, sync: bool = False) -> dict[str, object]:
     """Save ``chunks`` chunks of random KV (a few per step, as the write queue allows), let
-    them go to disk, empty the host tier, then load them all back in one asynchronous load
-    into other blocks, polling ``get_finished`` as vLLM's engine loop does until the request
-    is reported. Returns the chunks that came back different (``mismatches``: must be empty),
+    them go to disk, empty the host tier, then load them all back in one load into other
+    blocks: asynchronous, polling ``get_finished`` as vLLM's engine loop does until the
+    request is reported, or (``sync``) synchronous, before a step whose layers each wait
+    for their copies. Returns the chunks that came back different (``mismatches``: must be empty),
     the failed blocks, and the store's ``unpooled_loads`` (chunks that found no free pooled
     buffer). ``idle_s``: the engine makes no step for that long after the load starts (a long
     forward pass); ``idle_waiting`` is how many chunks then wait for their copies and
@@ -185,9 +186,13 @@ def async_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geom
     store.host.clear()
     before = store.counters.snapshot()["unpooled_loads"]
     dest = [list(range((chunks + i) * per_chunk, (chunks + i + 1) * per_chunk)) for i in range(chunks)]
-    worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [
-        ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
-        for i, (k, d) in enumerate(zip(keys, dest, strict=True))])]))
+    spec = LoadSpec("a", [ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
+                          for i, (k, d) in enumerate(zip(keys, dest, strict=True))], sync=sync)
+    if sync:
+        load_sync(worker, [spec])
+        failed = worker.take_load_errors()
+        return _compare(store, blocks, keys, dest, want, failed, before)
+    worker.start_loads(KVTierMetadata(loads=[spec]))
     idle: dict[str, object] = {}
     if idle_s:
         time.sleep(idle_s)
@@ -197,8 +202,12 @@ def async_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geom
     while "a" not in (worker.get_finished(set())[1] or ()):
         if time.monotonic() > deadline:
             raise TimeoutError("the asynchronous load was never reported")
-    failed = worker.take_load_errors()
+    return {**_compare(store, blocks, keys, dest, want, worker.take_load_errors(), before), **idle}
+
+
+def _compare(store, blocks, keys: list[bytes], dest: list[list[int]], want: list, failed: set[int],  # noqa: ANN001
+             unpooled_before: int) -> dict[str, object]:
     mismatches = [keys[i].hex()[:16] for i, d in enumerate(dest)
                   if not all(torch.equal(a, b) for a, b in zip(blocks(d), want[i], strict=True))]
     return {"mismatches": mismatches, "failed_blocks": sorted(failed),
-            "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - before, **idle}
+            "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - unpooled_before}

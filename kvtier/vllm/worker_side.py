@@ -54,6 +54,7 @@ class _LoadResult:
     loaded: list[tuple[ChunkLoad, torch.Tensor]] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+    broken: bool = False  # a copy failed: the later chunks are not copied (they are failed)
 
 
 @dataclass
@@ -70,7 +71,6 @@ class _LoadJob:
     arrived: Queue[tuple[ChunkLoad, torch.Tensor]]
     future: Future[_LoadResult]
     taken: int = 0
-    broken: bool = False  # a copy failed: the later chunks are not copied (they are failed)
 
 
 @dataclass
@@ -249,7 +249,7 @@ class WorkerSide:
         sync = []
         for spec in meta.loads:
             if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
-                sync.append(self._read(spec))
+                sync.append(self._read_sync(spec))
             elif spec.req_id not in self._loads:
                 res, arrived = _LoadResult(), Queue(self._arrived_max)
                 future = self._pool.submit(self._read, spec, res, lambda item, q=arrived: self._hand_over(q, item))
@@ -257,10 +257,40 @@ class WorkerSide:
                 self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
         if sync:
             # layer by layer: the first layers compute while later ones are still copied
+            for res in sync:
+                if res.broken:  # an earlier batch failed to copy: the rest is failed too
+                    for chunk, _ in res.loaded:
+                        res.failed_blocks.extend(chunk.block_ids)
+                    res.loaded = []
             event, _ = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
             self._scattering.append(_Scatter(None, event, sync))
             for res in sync:  # a synchronous load's failures are reported in its own step
                 self._report(res)
+
+    def _read_sync(self, spec: LoadSpec) -> _LoadResult:
+        """A synchronous load's read, on this thread: whenever as many chunks as an
+        asynchronous load may hold have arrived, they are copied into the cache and let go
+        once copied, so a long load stays within the pool; the last ones are left in
+        ``res.loaded`` for the layer-by-layer copy that the forward pass waits on."""
+        res = _LoadResult()
+        copying: list[_Scatter] = []  # batches copied early, held until their copies are done
+
+        def deliver(item: tuple[ChunkLoad, torch.Tensor]) -> None:
+            res.loaded.append(item)
+            if len(res.loaded) < self._arrived_max:
+                return
+            items, res.loaded = res.loaded, []
+            if res.broken:
+                for chunk, _ in items:
+                    res.failed_blocks.extend(chunk.block_ids)
+                return
+            event, res.broken = self._scatter([(res, items)])
+            copying.append(_Scatter(None, event, [_LoadResult(loaded=items)]))
+            copying[:] = [c for c in copying if not self.copies.done(c.event)]  # let go of what landed
+
+        self._read(spec, res, deliver)
+        self._scattering.extend(copying)  # the rest is let go in a later get_finished
+        return res
 
     def wait_for_layer(self, layer_name: str) -> None:
         """The compute stream waits (on the device) for this layer's synchronous loads."""
@@ -399,7 +429,7 @@ class WorkerSide:
                     # what it verified may still be copied; every later chunk is failed
                     for chunk in job.spec.chunks[job.taken:]:
                         job.res.failed_blocks.extend(chunk.block_ids)
-            if job.broken:  # after a failed copy, later chunks are failed, not copied
+            if job.res.broken:  # after a failed copy, later chunks are failed, not copied
                 for chunk, _ in new:
                     job.res.failed_blocks.extend(chunk.block_ids)
             elif new:
@@ -415,7 +445,7 @@ class WorkerSide:
                         job.res.failed_blocks.extend(chunk.block_ids)
                 event, failed = None, True
             for job, _ in parts:
-                job.broken = job.broken or failed
+                job.res.broken = job.res.broken or failed
             # the chunks' host buffers stay referenced until their copies are done
             copied = _LoadResult(loaded=[item for _, new in parts for item in new])
             self._scattering.append(_Scatter(None, event, [copied]))

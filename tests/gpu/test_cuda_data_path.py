@@ -11,7 +11,7 @@ import torch
 
 from kvtier import CacheConfig
 from kvtier.store import ChunkStore
-from kvtier.testing.worker_rig import Geometry, async_load_from_disk, make_worker, save_and_reload
+from kvtier.testing.worker_rig import Geometry, long_load_from_disk, make_worker, save_and_reload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,17 +35,18 @@ def test_cuda_round_trip_is_bit_exact_and_allocates_nothing_when_warm(tmp_path: 
         worker.close()
 
 
-def test_cuda_a_long_async_load_from_disk_stays_in_pinned_pool_buffers(tmp_path: Path) -> None:
-    """Three times as many chunks as the pinned pool holds, from disk, in one asynchronous
-    load: each chunk's buffer comes back once its host-to-device copy is done, so none is
-    loaded into pageable memory; bit-exact."""
+@pytest.mark.parametrize("sync", [False, True])
+def test_cuda_a_long_load_from_disk_stays_in_pinned_pool_buffers(tmp_path: Path, sync: bool) -> None:
+    """Three times as many chunks as the pinned pool holds, from disk, in one load
+    (asynchronous, or synchronous): each chunk's buffer comes back once its host-to-device
+    copy is done, so none is loaded into pageable memory; bit-exact."""
     g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=2 * 48 * 16,
                  dtype=torch.bfloat16)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=12 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, g, "kv_last", "cuda")
-        got = async_load_from_disk(store, worker, caches, g, chunks=48)
+        got = long_load_from_disk(store, worker, caches, g, chunks=48, sync=sync)
         assert got["mismatches"] == [] and got["failed_blocks"] == []
         assert got["unpooled_loads"] == 0
         worker.close()

@@ -16,7 +16,7 @@ from kvtier import CacheConfig
 from kvtier.store import ChunkStore
 from kvtier.testing.worker_rig import (
     Geometry,
-    async_load_from_disk,
+    long_load_from_disk,
     make_worker,
     save_and_reload,
     save_step,
@@ -56,17 +56,18 @@ def test_steady_state_saves_and_loads_allocate_nothing_and_round_trip(tmp_path: 
         worker.close()
 
 
-@pytest.mark.parametrize("content", ["kv_last", "cpu"])
-def test_a_long_async_load_from_disk_stays_in_the_pool(tmp_path: Path, content: str) -> None:
-    """Three times as many chunks as the buffer pool holds, loaded in one asynchronous load
-    polled as vLLM polls it: bit-exact, and no chunk lands outside the pool (tests/gpu runs
-    the same on CUDA, where such a chunk would be pageable memory)."""
+@pytest.mark.parametrize(("content", "sync"), [("kv_last", False), ("cpu", False), ("kv_last", True)])
+def test_a_long_load_from_disk_stays_in_the_pool(tmp_path: Path, content: str, sync: bool) -> None:
+    """Three times as many chunks as the buffer pool holds, loaded in one load (asynchronous,
+    polled as vLLM polls it; or synchronous, before a step): bit-exact, and no chunk lands
+    outside the pool (tests/gpu runs the same on CUDA, where such a chunk would be pageable
+    memory)."""
     g = Geometry(num_blocks=2 * 48 * PER_CHUNK)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=12 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, g, content, "cpu")
-        got = async_load_from_disk(store, worker, caches, g, chunks=48)
+        got = long_load_from_disk(store, worker, caches, g, chunks=48, sync=sync)
         assert got["mismatches"] == [] and got["failed_blocks"] == []
         assert got["unpooled_loads"] == 0
         assert store.counters.snapshot()["hits_disk"] == 48
@@ -82,7 +83,7 @@ def test_a_load_reading_ahead_of_the_steps_waits_for_them(tmp_path: Path) -> Non
                       write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, g, "kv_last", "cpu")
-        got = async_load_from_disk(store, worker, caches, g, chunks=48, idle_s=0.5)
+        got = long_load_from_disk(store, worker, caches, g, chunks=48, idle_s=0.5)
         assert got["idle_waiting"] == worker._arrived_max < 48 and not got["idle_done"]
         assert got["mismatches"] == [] and got["failed_blocks"] == []
         assert got["unpooled_loads"] == 0
