@@ -269,15 +269,19 @@ class WorkerSide:
 
     def _read_sync(self, spec: LoadSpec) -> _LoadResult:
         """A synchronous load's read, on this thread: whenever as many chunks as an
-        asynchronous load may hold have arrived, they are copied into the cache and let go
-        once copied, so a long load stays within the pool; the last ones are left in
-        ``res.loaded`` for the layer-by-layer copy that the forward pass waits on."""
+        asynchronous load may hold have arrived and more are to come, they are copied into
+        the cache and let go once copied, so a long load stays within the pool; the last
+        ones (all of a load that fits one batch) are left in ``res.loaded`` for the
+        layer-by-layer copy that the forward pass waits on."""
         res = _LoadResult()
         copying: list[_Scatter] = []  # batches copied early, held until their copies are done
+        to_come = [len(spec.chunks)]
 
         def deliver(item: tuple[ChunkLoad, torch.Tensor]) -> None:
             res.loaded.append(item)
-            if len(res.loaded) < self._arrived_max:
+            to_come[0] -= 1
+            # a load that fits one batch (or its last chunk) is all copied layer by layer
+            if len(res.loaded) < self._arrived_max or not to_come[0]:
                 return
             items, res.loaded = res.loaded, []
             if res.broken:

@@ -332,6 +332,47 @@ def test_a_sync_load_lets_each_layer_wait_for_its_own_copies(tmp_path: Path) -> 
         store.close()
 
 
+def test_a_long_sync_load_copies_early_batches_and_its_last_layer_by_layer(tmp_path: Path) -> None:
+    """A synchronous load that fits one hand-over batch is copied layer by layer, all of it
+    (the forward pass overlaps every copy); a longer one copies full batches as they arrive
+    and only its last chunks layer by layer. Either way each layer's wait covers all copies
+    before it, and every block comes back."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        batch = worker._arrived_max
+        n = 2 * batch + 1
+        keys = [os.urandom(32) for _ in range(n)]
+        src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(n)]
+        for first in range(0, n, 4):  # the write queue holds 4 chunks
+            save_step(worker, caches, [SaveSpec("r", (keys[i],), i * G.chunk_tokens, G.chunk_tokens, src[i])
+                                       for i in range(first, min(n, first + 4))])
+            copies.complete_all()
+            assert store.flush(30)
+        want = [_blocks(caches, ids) for ids in src]
+        base = n * PER_CHUNK
+        for count, early in ((batch, 0), (n, 2)):
+            copies.events.clear()
+            dest = [list(range(base + i * PER_CHUNK, base + (i + 1) * PER_CHUNK)) for i in range(count)]
+            spec = LoadSpec("s", [ChunkLoad((keys[i],), i * G.chunk_tokens, G.chunk_tokens, 0, dest[i])
+                                  for i in range(count)], sync=True)
+            worker.start_loads(KVTierMetadata(loads=[spec]))
+            # early batches (an event each), then one event per layer and one for the whole
+            assert len(copies.events) == early + G.layers + 1, count
+            assert worker.take_load_errors() == set()
+            for d, w in zip(dest, want[:count], strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
+            copies.complete_all()
+            worker.get_finished(set())
+            assert not worker._scattering
+            base += count * PER_CHUNK
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
 def test_an_index_buffer_is_reused_only_after_its_copies(tmp_path: Path) -> None:
     from kvtier.vllm.metadata import SaveSpec
 
