@@ -178,7 +178,8 @@ class FilePayloads(PayloadStore):
         # writer: at most io_threads such records are in flight, each filling and writing its
         # buffer segment by segment.
         free: asyncio.Queue[mmap.mmap] = asyncio.Queue()
-        staged = [it for it in items if _in_place(it) is None]
+        records = [_in_place(it) for it in items]
+        staged = [it for it, rec in zip(items, records, strict=True) if rec is None]
         if staged:
             need = min(_round_up(max(it.size for it in staged)), _STAGE_BYTES)
             while len(self._stage) < min(self.io_threads, len(staged)):
@@ -187,15 +188,18 @@ class FilePayloads(PayloadStore):
                 if len(b) < need:  # grown records: replace (the old buffer is not in use now)
                     self._stage[i] = b = _anon_map(need)
                 free.put_nowait(b)
-        return await asyncio.gather(*(self._write_one(it, free) for it in items), return_exceptions=True)
+        return await asyncio.gather(*(self._write_one(it, rec, free) for it, rec in zip(items, records, strict=True)),
+                                    return_exceptions=True)
 
-    async def _write_one(self, it: PutItem, free: asyncio.Queue[mmap.mmap]) -> str:
+    async def _write_one(self, it: PutItem, record: memoryview | None, free: asyncio.Queue[mmap.mmap]) -> str:
+        """Write ``it`` to a temp file: with O_DIRECT from ``record`` (the record in place,
+        see ``_in_place``) or through a staging buffer from ``free``; buffered if the
+        filesystem refuses O_DIRECT."""
         tmp = str(self._tmp / f"{os.getpid()}-{threading.get_ident()}-{it.key.hex()[:16]}.tmp")
         try:
             if self._direct_write is not False:
-                record = _in_place(it)
                 if record is not None:
-                    if await self._write_direct(tmp, it, record):
+                    if await self._write_direct(tmp, it, record, in_place=True):
                         return tmp
                 else:
                     buf = await free.get()
@@ -216,13 +220,13 @@ class FilePayloads(PayloadStore):
             raise
         return tmp
 
-    async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview) -> bool:
+    async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview, *,
+                            in_place: bool = False) -> bool:
         """Write the record with O_DIRECT, through the staging buffer ``buf``, or straight
-        from ``buf`` when it is the record itself (``_in_place``); False if the filesystem
+        from ``buf`` when it is the record itself (``in_place``); False if the filesystem
         refuses O_DIRECT."""
         loop = asyncio.get_running_loop()
         total = it.size
-        in_place = buf is it.record
         if in_place:  # the padding up to the last page goes to disk too (then truncated)
             np.frombuffer(buf, dtype=np.uint8)[total:] = 0
         try:

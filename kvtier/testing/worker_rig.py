@@ -188,26 +188,21 @@ def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geome
     dest = [list(range((chunks + i) * per_chunk, (chunks + i + 1) * per_chunk)) for i in range(chunks)]
     spec = LoadSpec("a", [ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
                           for i, (k, d) in enumerate(zip(keys, dest, strict=True))], sync=sync)
+    idle: dict[str, object] = {}
     if sync:
         load_sync(worker, [spec])
-        failed = worker.take_load_errors()
-        return _compare(store, blocks, keys, dest, want, failed, before)
-    worker.start_loads(KVTierMetadata(loads=[spec]))
-    idle: dict[str, object] = {}
-    if idle_s:
-        time.sleep(idle_s)
-        job = worker._loads["a"]
-        idle = {"idle_waiting": job.arrived.qsize(), "idle_done": job.future.done()}
-    deadline = time.monotonic() + 120
-    while "a" not in (worker.get_finished(set())[1] or ()):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the asynchronous load was never reported")
-    return {**_compare(store, blocks, keys, dest, want, worker.take_load_errors(), before), **idle}
-
-
-def _compare(store, blocks, keys: list[bytes], dest: list[list[int]], want: list, failed: set[int],  # noqa: ANN001
-             unpooled_before: int) -> dict[str, object]:
+    else:
+        worker.start_loads(KVTierMetadata(loads=[spec]))
+        if idle_s:
+            time.sleep(idle_s)
+            job = worker._loads["a"]
+            idle = {"idle_waiting": job.arrived.qsize(), "idle_done": job.future.done()}
+        deadline = time.monotonic() + 120
+        while "a" not in (worker.get_finished(set())[1] or ()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the asynchronous load was never reported")
+    failed = worker.take_load_errors()
     mismatches = [keys[i].hex()[:16] for i, d in enumerate(dest)
                   if not all(torch.equal(a, b) for a, b in zip(blocks(d), want[i], strict=True))]
     return {"mismatches": mismatches, "failed_blocks": sorted(failed),
-            "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - unpooled_before}
+            "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - before, **idle}

@@ -19,6 +19,7 @@ recomputes them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -73,15 +74,6 @@ class _LoadJob:
     taken: int = 0
 
 
-@dataclass
-class _Scatter:
-    """Loaded chunks whose copies into the KV cache are in flight: their host tensors stay
-    referenced (their buffers are not reused) until ``event`` is done."""
-    req_id: str | None  # an asynchronous load, reported when done; None: a synchronous one
-    event: torch.cuda.Event | None
-    results: list[_LoadResult]
-
-
 class WorkerSide:
     def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
                  kv_caches: dict[str, torch.Tensor], content: Content, block_size: int) -> None:
@@ -114,16 +106,18 @@ class WorkerSide:
         self._staged_index: StepIndex | None = None
         self._gathered = [False] * len(self.views)  # which layers of this step's saves are copied
         self._save_namespace = namespace.id
-        # saved chunks' buffers whose gathers may still be in flight: kept until done, so a
-        # buffer the store let go of is not reused under a copy
-        self._saves_in_flight: list[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = []
+        # host buffers that copies in flight may still write (save gathers) or read (load
+        # scatters): kept until their event is done, so the pool does not reuse them under
+        # a copy (a buffer the store let go of, a loaded chunk already copied)
+        self._in_flight: list[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = []
         # where the compute stream waits for a step's gathers: at the next step's start
         # (``begin_step``, before vLLM zeroes or copies blocks) once vLLM is seen calling it,
         # else right after the forward pass (``wait_for_save``)
         self._fence_at_step_start = False
         self._save_fence: torch.cuda.Event | None = None
         self._loads: dict[str, _LoadJob] = {}
-        self._scattering: list[_Scatter] = []
+        # finished asynchronous loads, reported once the event after their last copy is done
+        self._reporting: list[tuple[torch.cuda.Event | None, str, _LoadResult]] = []
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
@@ -180,7 +174,7 @@ class WorkerSide:
         """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
         the chunks to the store (``wait_for_save``; never waits for a copy)."""
         self._layer_ready.clear()  # the forward pass has been enqueued: its waits are in
-        self._retire_saves()
+        self._release_landed()
         if self._staged is None and (meta is None or not meta.saves):
             return
         late = 0
@@ -223,7 +217,7 @@ class WorkerSide:
             self._staged_index = None
         buffers = [s.buf for s in staged if s.buf is not None]
         if buffers:
-            self._saves_in_flight.append((event, buffers))
+            self._in_flight.append((event, buffers))
         ready = event.synchronize if event is not None else None  # the writer thread waits on it
         for s in staged:
             if s.buf is None:
@@ -240,8 +234,9 @@ class WorkerSide:
             self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
                        save_dropped_chunks=0 if ok else 1)
 
-    def _retire_saves(self) -> None:
-        self._saves_in_flight = [(e, b) for e, b in self._saves_in_flight if not self.copies.done(e)]
+    def _release_landed(self) -> None:
+        """Let go of the host buffers whose copies are done (never waits)."""
+        self._in_flight = [(e, b) for e, b in self._in_flight if not self.copies.done(e)]
 
     # -- loads ---------------------------------------------------------------------
     def start_loads(self, meta: KVTierMetadata) -> None:
@@ -252,19 +247,14 @@ class WorkerSide:
                 sync.append(self._read_sync(spec))
             elif spec.req_id not in self._loads:
                 res, arrived = _LoadResult(), Queue(self._arrived_max)
-                future = self._pool.submit(self._read, spec, res, lambda item, q=arrived: self._hand_over(q, item))
+                future = self._pool.submit(self._read, spec, res, functools.partial(self._hand_over, arrived))
                 future.add_done_callback(lambda _: self._load_signal.set())
                 self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
         if sync:
             # layer by layer: the first layers compute while later ones are still copied
-            for res in sync:
-                if res.broken:  # an earlier batch failed to copy: the rest is failed too
-                    for chunk, _ in res.loaded:
-                        res.failed_blocks.extend(chunk.block_ids)
-                    res.loaded = []
-            event, _ = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
-            self._scattering.append(_Scatter(None, event, sync))
+            self._scatter([(res, res.loaded) for res in sync], layer_events=True)
             for res in sync:  # a synchronous load's failures are reported in its own step
+                res.loaded = []  # (held until copied: _in_flight)
                 self._report(res)
 
     def _read_sync(self, spec: LoadSpec) -> _LoadResult:
@@ -274,26 +264,19 @@ class WorkerSide:
         ones (all of a load that fits one batch) are left in ``res.loaded`` for the
         layer-by-layer copy that the forward pass waits on."""
         res = _LoadResult()
-        copying: list[_Scatter] = []  # batches copied early, held until their copies are done
-        to_come = [len(spec.chunks)]
+        to_come = len(spec.chunks)
 
         def deliver(item: tuple[ChunkLoad, torch.Tensor]) -> None:
+            nonlocal to_come
             res.loaded.append(item)
-            to_come[0] -= 1
-            # a load that fits one batch (or its last chunk) is all copied layer by layer
-            if len(res.loaded) < self._arrived_max or not to_come[0]:
-                return
-            items, res.loaded = res.loaded, []
-            if res.broken:
-                for chunk, _ in items:
-                    res.failed_blocks.extend(chunk.block_ids)
-                return
-            event, res.broken = self._scatter([(res, items)])
-            copying.append(_Scatter(None, event, [_LoadResult(loaded=items)]))
-            copying[:] = [c for c in copying if not self.copies.done(c.event)]  # let go of what landed
+            to_come -= 1
+            # a load that fits one batch (or its last chunks) is copied layer by layer
+            if len(res.loaded) >= self._arrived_max and to_come:
+                items, res.loaded = res.loaded, []
+                self._scatter([(res, items)])
+                self._release_landed()
 
         self._read(spec, res, deliver)
-        self._scattering.extend(copying)  # the rest is let go in a later get_finished
         return res
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -302,19 +285,16 @@ class WorkerSide:
         if li is not None and li in self._layer_ready:
             self.copies.compute_waits_for(self._layer_ready.pop(li))
 
-    def _read(self, spec: LoadSpec, res: _LoadResult | None = None,
-              deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None] | None = None) -> _LoadResult:
+    def _read(self, spec: LoadSpec, res: _LoadResult,
+              deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None]) -> _LoadResult:
         """Read and verify a request's chunks (a background thread in async mode), handing
-        each verified chunk to ``deliver`` as it arrives, in order (by default: appending it
-        to ``res.loaded``).
+        each verified chunk to ``deliver`` as it arrives, in order; failures go to ``res``.
 
         Only storage work happens here: reads, checksums and decoding into host tensors
         release the GIL and use no thread pool of torch's. The copies into vLLM's KV cache
         are enqueued from the thread that drives the model (see ``_scatter``): from a second
         thread they would fight the worker's OpenMP threads for the same cores.
         """
-        res = _LoadResult() if res is None else res
-        deliver = res.loaded.append if deliver is None else deliver
         t0 = time.perf_counter()
         want = (len(self.views), 2)
         # every chunk is read and verified, in parallel on the store's I/O pool, even past a
@@ -338,15 +318,23 @@ class WorkerSide:
         return res
 
     def _scatter(self, parts: list[tuple[_LoadResult, list[tuple[ChunkLoad, torch.Tensor]]]], *,
-                 layer_events: bool = False) -> tuple[torch.cuda.Event | None, bool]:
+                 layer_events: bool = False) -> torch.cuda.Event | None:
         """Enqueue the copies of loaded chunks (each with the load it belongs to) into their
         blocks, layer by layer (with an event per layer if ``layer_events``); returns the
-        event that marks them all, and whether they failed (their blocks are then failed).
-        Never waits for them."""
-        loaded = [(res, item) for res, items in parts for item in items]
-        index = self._load_index.take()
+        event that marks them all, and holds the chunks' host buffers until it is done.
+        Never waits for them. The chunks of a load whose earlier copy failed (``broken``) are
+        failed, not copied; a copy that fails fails its chunks and breaks their loads."""
+        loaded = []
+        for res, items in parts:
+            if res.broken:
+                for chunk, _ in items:
+                    res.failed_blocks.extend(chunk.block_ids)
+            else:
+                loaded.extend((res, item) for item in items)
+        index = None
         failed = False
         try:
+            index = self._load_index.take()
             with self.copies.after_compute():
                 indexes = index.upload([chunk.block_ids for _, (chunk, _) in loaded])
                 for li, view in enumerate(self.views):
@@ -362,14 +350,18 @@ class WorkerSide:
             log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
             for res, (chunk, _) in loaded:
                 res.failed_blocks.extend(chunk.block_ids)
+                res.broken = True
             if layer_events:  # (a failed asynchronous scatter leaves this step's layer waits be)
                 self._layer_ready.clear()
             failed = True
         event = self.copies.record()
-        self._load_index.hold(index, event)
+        if index is not None:
+            self._load_index.hold(index, event)
+        if loaded:
+            self._in_flight.append((event, [data for _, (_, data) in loaded]))
         if failed:  # copies enqueued before the failure must land before vLLM recomputes the blocks
             self.copies.compute_waits_for(event)
-        return event, failed
+        return event
 
     def _report(self, res: _LoadResult) -> None:
         failed = set(res.failed_blocks)  # (a block failed twice over is one block)
@@ -377,20 +369,16 @@ class WorkerSide:
         self._bump(load_tokens=res.tokens, load_seconds=res.seconds,
                    load_failed_blocks=len(failed), load_requests=1)
 
-    def _retire_loads(self) -> set[str]:
-        """Release loads whose copies are done; the asynchronous ones among them are reported."""
+    def _report_finished(self) -> set[str]:
+        """The finished asynchronous loads whose copies are done: reported, and returned."""
         done, still = set(), []
-        for s in self._scattering:
-            if not self.copies.done(s.event):
-                still.append(s)
-                continue
-            for res in s.results:
-                res.loaded = []  # their host buffers may be reused now
-                if s.req_id is not None:
-                    self._report(res)
-            if s.req_id is not None:
-                done.add(s.req_id)
-        self._scattering = still
+        for event, req_id, res in self._reporting:
+            if self.copies.done(event):
+                self._report(res)
+                done.add(req_id)
+            else:
+                still.append((event, req_id, res))
+        self._reporting = still
         return done
 
     def _hand_over(self, arrived: Queue[tuple[ChunkLoad, torch.Tensor]],
@@ -409,11 +397,10 @@ class WorkerSide:
     def _scatter_arrived(self) -> None:
         """Enqueue the copies of every chunk that arrived since the last call, for all the
         asynchronous loads in one batch (one index upload), so the copies of a load's first
-        chunks overlap the reads of its later ones; their buffers are let go once the copies
-        are done. A load whose job is done is handed to ``_retire_loads`` with an event that
-        marks all its copies (they are on one stream)."""
-        parts: list[tuple[_LoadJob, list[tuple[ChunkLoad, torch.Tensor]]]] = []
-        finished: list[tuple[str, _LoadJob]] = []
+        chunks overlap the reads of its later ones. A load whose job is done waits in
+        ``_reporting`` for the event after its last copy (all copies are on one stream)."""
+        parts: list[tuple[_LoadResult, list[tuple[ChunkLoad, torch.Tensor]]]] = []
+        finished: list[tuple[str, _LoadResult]] = []
         for req_id, job in list(self._loads.items()):
             done = job.future.done()  # before draining: nothing arrives after a done job's last
             new = []
@@ -425,7 +412,7 @@ class WorkerSide:
             job.taken += len(new)
             if done:
                 del self._loads[req_id]
-                finished.append((req_id, job))
+                finished.append((req_id, job.res))
                 try:
                     job.future.result()
                 except Exception as exc:  # defensive: _read catches storage faults
@@ -433,30 +420,12 @@ class WorkerSide:
                     # what it verified may still be copied; every later chunk is failed
                     for chunk in job.spec.chunks[job.taken:]:
                         job.res.failed_blocks.extend(chunk.block_ids)
-            if job.res.broken:  # after a failed copy, later chunks are failed, not copied
-                for chunk, _ in new:
-                    job.res.failed_blocks.extend(chunk.block_ids)
-            elif new:
-                parts.append((job, new))
-        event = None
-        if parts:
-            try:
-                event, failed = self._scatter([(job.res, new) for job, new in parts])
-            except Exception as exc:  # outside its own guard (e.g. a device error): never lose a job
-                log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
-                for job, new in parts:
-                    for chunk, _ in new:
-                        job.res.failed_blocks.extend(chunk.block_ids)
-                event, failed = None, True
-            for job, _ in parts:
-                job.res.broken = job.res.broken or failed
-            # the chunks' host buffers stay referenced until their copies are done
-            copied = _LoadResult(loaded=[item for _, new in parts for item in new])
-            self._scattering.append(_Scatter(None, event, [copied]))
+            if new:
+                parts.append((job.res, new))
+        event = self._scatter(parts) if parts else None
         if finished:
             event = event if parts else self.copies.record()
-            for req_id, job in finished:
-                self._scattering.append(_Scatter(req_id, event, [job.res]))
+            self._reporting.extend((event, req_id, res) for req_id, res in finished)
 
     # -- completion ------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -470,8 +439,8 @@ class WorkerSide:
                 self._load_signal.wait(LOAD_POLL_S)
         self._scatter_arrived()
         # reported once their copies are done: on the CPU at once, on a GPU a step or so later
-        done_recv = self._retire_loads()
-        self._retire_saves()
+        done_recv = self._report_finished()
+        self._release_landed()
         # Saves never hold blocks (see SchedulerSide.request_finished): nothing to report.
         self._maybe_log()
         return None, (done_recv or None)
@@ -511,5 +480,5 @@ class WorkerSide:
             job.future.cancel()
         self._pool.shutdown(wait=True)
         self.copies.synchronize()  # shutting down: let the copies in flight land
-        self._retire_loads()
-        self._retire_saves()
+        self._report_finished()
+        self._release_landed()

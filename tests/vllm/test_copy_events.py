@@ -91,7 +91,7 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
         # the blocks are not reused before the gathers ran (a vLLM that never calls
         # handle_preemptions: the compute stream waits right after the forward pass)
         assert copies.compute_waits == [event]
-        assert worker._saves_in_flight  # its buffer is held while the copies may write into it
+        assert worker._in_flight  # its buffer is held while the copies may write into it
         # the writer thread waits for the event, not the model's thread: nothing is written yet
         assert not store.flush(0.5)
         assert store.backend.present_each([key]) == [False]
@@ -99,7 +99,7 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
         assert store.flush(30)
         assert store.backend.present_each([key]) == [True]
         worker.get_finished(set())
-        assert not worker._saves_in_flight
+        assert not worker._in_flight
         store.host.clear()
         got = store.load(key).tensor
         assert got is not None
@@ -160,7 +160,7 @@ def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path)
         assert worker.get_finished(set()) == (None, {"a"})
         assert worker.take_load_errors() == set(missing)
         assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest), want, strict=True))
-        assert not worker._scattering  # its host buffers are let go
+        assert not worker._in_flight and not worker._reporting  # its host buffers are let go
     finally:
         copies.complete_all()
         worker.close()
@@ -239,93 +239,10 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
             else:
                 assert errors == set(dest[1]) | set(dest[2]), case
                 assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest[0]), want[0], strict=True))
-            assert not worker._scattering and not worker._loads, case
+            assert not worker._in_flight and not worker._reporting and not worker._loads, case
             del store.load_many  # the store's own again
             for c in caches.values():
                 c[torch.tensor([b for d in dest for b in d])] = 0
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
-
-
-def test_a_long_async_load_cycles_through_a_few_pooled_buffers(tmp_path: Path) -> None:
-    """A load of more chunks than the buffer pool holds, read from disk while the engine
-    keeps stepping: a chunk's buffer goes back to the pool once its copy into the KV cache is
-    done, and reads run only a few chunks ahead, so no chunk lands outside the pool (on a GPU:
-    pageable memory, a slow and host-blocking copy), and every chunk arrives intact."""
-    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
-
-    n, g = 16, Geometry(num_blocks=32 * PER_CHUNK)
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
-                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
-    with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, "kv_last", "cpu")
-        try:
-            gen = torch.Generator().manual_seed(2)
-            for c in caches.values():
-                c.copy_(torch.randn(c.shape, generator=gen))
-            keys = [os.urandom(32) for _ in range(n)]
-            src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(n)]
-            for first in range(0, n, 4):  # the write queue holds 4 chunks
-                save_step(worker, caches, [SaveSpec("r", (keys[i],), i * g.chunk_tokens, g.chunk_tokens, src[i])
-                                           for i in range(first, first + 4)])
-                assert store.flush(30)
-            want = [_blocks(caches, ids) for ids in src]
-            worker.get_finished(set())  # a step in between: the saves' buffers are let go
-            store.host.clear()  # every chunk comes from disk
-            assert store.pool.cap_bytes // g.chunk_bytes == 8 < n
-            dest = [list(range((n + i) * PER_CHUNK, (n + i + 1) * PER_CHUNK)) for i in range(n)]
-            gates = _gate_loads(store, n)
-            worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [
-                ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
-                for i, (k, d) in enumerate(zip(keys, dest, strict=True))])]))
-            job, reported = worker._loads["a"], None
-            for i, gate in enumerate(gates):  # one chunk arrives per engine step
-                gate.set()
-                _wait_for(lambda i=i: job.taken + job.arrived.qsize() > i, f"chunk {i}")
-                _, reported = worker.get_finished(set())
-            job.future.result(30)
-            while not reported:
-                _, reported = worker.get_finished(set())
-            assert reported == {"a"} and worker.take_load_errors() == set()
-            for d, w in zip(dest, want, strict=True):
-                assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
-            counters = store.counters.snapshot()
-            assert counters["hits_disk"] == n
-            assert counters["unpooled_loads"] == 0, "chunks were loaded outside the pool"
-        finally:
-            worker.close()
-
-
-def test_a_sync_load_lets_each_layer_wait_for_its_own_copies(tmp_path: Path) -> None:
-    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
-
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
-        key, ids = os.urandom(32), list(range(PER_CHUNK))
-        save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
-        copies.complete_all()
-        assert store.flush(30)
-        copies.events.clear()
-        copies.compute_waits.clear()
-        dest = list(range(PER_CHUNK, 2 * PER_CHUNK))
-        worker.start_loads(KVTierMetadata(loads=[LoadSpec("s", [ChunkLoad((key,), 0, G.chunk_tokens, 0, dest)],
-                                                           sync=True)]))
-        per_layer, whole = copies.events[:-1], copies.events[-1]
-        assert len(per_layer) == G.layers
-        assert copies.compute_waits == []  # the forward pass starts without waiting for the load
-        names = list(caches)
-        for i, name in enumerate(names):
-            worker.wait_for_layer(name)
-            assert copies.compute_waits == per_layer[: i + 1]  # layer i waits for layer i only
-        worker.wait_for_layer(names[0])  # twice: nothing more to wait for
-        assert len(copies.compute_waits) == G.layers
-        worker.get_finished(set())
-        assert worker._scattering  # the chunk's host buffer stays held until the copies are done
-        whole.complete()
-        assert worker.get_finished(set()) == (None, None)  # a sync load is not reported as received
-        assert not worker._scattering
     finally:
         copies.complete_all()
         worker.close()
@@ -365,7 +282,7 @@ def test_a_long_sync_load_copies_early_batches_and_its_last_layer_by_layer(tmp_p
                 assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
             copies.complete_all()
             worker.get_finished(set())
-            assert not worker._scattering
+            assert not worker._in_flight
             base += count * PER_CHUNK
     finally:
         copies.complete_all()
