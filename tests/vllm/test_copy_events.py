@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvtier import CacheConfig
@@ -243,6 +244,56 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
             del store.load_many  # the store's own again
             for c in caches.values():
                 c[torch.tensor([b for d in dest for b in d])] = 0
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def test_a_failed_copy_fails_its_chunks_and_every_later_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy into the cache that raises (a device error: injected, the CPU cannot fail one)
+    fails that chunk's blocks; the load's later chunks are failed without being copied, the
+    chunks copied before stay, and the request is still reported, so vLLM recomputes."""
+    from kvtier.vllm import worker_side
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        keys = [os.urandom(32) for _ in range(3)]
+        src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(3)]
+        save_step(worker, caches, [SaveSpec("r", (k,), i * G.chunk_tokens, G.chunk_tokens, ids)
+                                   for i, (k, ids) in enumerate(zip(keys, src, strict=True))])
+        copies.complete_all()
+        assert store.flush(30)
+        want = _blocks(caches, src[0])
+        dest = [list(range((3 + i) * PER_CHUNK, (4 + i) * PER_CHUNK)) for i in range(3)]
+        gates = _gate_loads(store, 3)
+        worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [
+            ChunkLoad((k,), i * G.chunk_tokens, G.chunk_tokens, 0, d)
+            for i, (k, d) in enumerate(zip(keys, dest, strict=True))])]))
+        job = worker._loads["a"]
+        gates[0].set()
+        _wait_for(lambda: job.arrived.qsize() == 1, "the first chunk")
+        worker.get_finished(set())  # copied
+        calls = []
+
+        def failing(*args: object, **kwargs: object) -> None:
+            calls.append(1)
+            raise RuntimeError("injected device error")
+
+        monkeypatch.setattr(worker_side, "scatter_blocks", failing)
+        gates[1].set()
+        _wait_for(lambda: job.arrived.qsize() == 1, "the second chunk")
+        worker.get_finished(set())  # its copy fails
+        assert calls == [1]
+        gates[2].set()
+        _wait_for(lambda: worker.get_finished(set()) == (None, None) and "a" not in worker._loads, "the load")
+        assert calls == [1], "a chunk after a failed copy was copied"
+        copies.complete_all()
+        assert worker.get_finished(set()) == (None, {"a"})
+        assert worker.take_load_errors() == set(dest[1]) | set(dest[2])
+        assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest[0]), want, strict=True))
+        assert not worker._in_flight and not worker._reporting
     finally:
         copies.complete_all()
         worker.close()
