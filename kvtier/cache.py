@@ -145,20 +145,26 @@ class KVCache:
             hits = [h for h in hits if h.end <= max_tokens]
         n = hits[-1].end if hits else 0
         layers, two, heads, dim = self.namespace.kv_shape
-        out = torch.empty((layers, two, n, heads, dim), dtype=self._dtype)
+        # memory of its own: dropping it gives the memory back (a loop over requests stays flat)
+        out = self.store.results.empty((layers, two, n, heads, dim), self._dtype)
         dsts = [out.narrow(TOKEN_AXIS, ref.start, ref.num_tokens) for ref in hits]
         if out.numel() * out.element_size() * 4 > self.store.host.budget:
             # A bulk load (over a quarter of the host tier): decode each chunk straight into its slice of ``out``, in parallel,
             # and keep it out of the host tier (it would evict most of it, and the per-chunk
             # tensors it needs cost an allocation each, slower than the disk here).
             got = self.store.load_into([ref.key for ref in hits], dsts)
-            return out if got == len(hits) else out.narrow(TOKEN_AXIS, 0, hits[got].start).clone()
+            return out if got == len(hits) else self._prefix(out, hits[got].start)
         for ref, dst in zip(hits, dsts, strict=True):  # small: through the host tier, for reuse
             chunk = self.store.get(ref.key)
             if chunk is None or tuple(chunk.shape) != tuple(dst.shape) or chunk.dtype != dst.dtype:
-                return out.narrow(TOKEN_AXIS, 0, ref.start).clone()
+                return self._prefix(out, ref.start)
             dst.copy_(chunk)
         return out
+
+    def _prefix(self, kv: torch.Tensor, n: int) -> torch.Tensor:
+        """The first ``n`` tokens of ``kv``, contiguous, in memory of their own."""
+        part = kv.narrow(TOKEN_AXIS, 0, n)
+        return self.store.results.empty(tuple(part.shape), part.dtype).copy_(part)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued saves are on the persistent tier."""

@@ -28,7 +28,7 @@ from kvtier.backends import PutItem, open_shared
 from kvtier.backends.base import EntryInfo, most_recent
 from kvtier.backends.payloads import ViewReader, oversized
 from kvtier.background import RateLimitedLog, take_batch, wait_while
-from kvtier.buffer_pool import BufferPool
+from kvtier.buffer_pool import BufferPool, ResultMemory
 from kvtier.config import CacheConfig
 from kvtier.errors import (
     ConfigError,
@@ -113,6 +113,8 @@ class ChunkStore:
         # (and the remote tier's upload queue, which holds them until uploaded).
         self.pool = BufferPool(int(config.host_bytes) + int(config.write_queue_bytes)
                                + (int(config.remote_queue_bytes) if self.remote else 0))
+        # what a caller keeps (a load's result, a chunk loaded while the pool is full)
+        self.results = ResultMemory()
         # buffers handed out by buffer() and not yet written: only these may have a record's
         # header written in front of them (memory the store owns, written once); by id, as
         # tensors compare element by element
@@ -143,6 +145,7 @@ class ChunkStore:
         self.counters._lock = threading.Lock()
         self.host._lock = threading.Lock()
         self.pool.after_fork_in_child()
+        self.results.after_fork_in_child()
         # the parent's sockets and upload thread are not ours: connect afresh
         self.remote = open_remote(self.config, self.counters, writer=not self.readonly)
         self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
@@ -454,7 +457,7 @@ class ChunkStore:
         t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest, lead=lead)
         if t is None:  # every buffer is in use (queued saves, loads in flight): never fail a load
             self.counters.add(unpooled_loads=1)
-            return torch.empty(shape, dtype=dtype)
+            return self.results.empty(shape, dtype)
         return t
 
     _FAILURES = {
@@ -657,6 +660,7 @@ class ChunkStore:
         self.backend.close()
         self.host.clear()
         self.pool.close()
+        self.results.clear()
         self._lock.release()
 
     def __enter__(self) -> ChunkStore:

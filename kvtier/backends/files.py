@@ -39,6 +39,7 @@ import numpy as np
 
 from kvtier.backends.index import EntryInfo, pid_alive
 from kvtier.backends.payloads import PayloadStore, PutItem, ThreadBuffer, oversized
+from kvtier.buffer_pool import anonymous_map
 from kvtier.codec import MAX_HEADER_BYTES, RecordReader
 from kvtier.errors import RecordError
 
@@ -183,10 +184,10 @@ class FilePayloads(PayloadStore):
         if staged:
             need = min(_round_up(max(it.size for it in staged)), _STAGE_BYTES)
             while len(self._stage) < min(self.io_threads, len(staged)):
-                self._stage.append(_anon_map(need))
+                self._stage.append(anonymous_map(need))
             for i, b in enumerate(self._stage):
                 if len(b) < need:  # grown records: replace (the old buffer is not in use now)
-                    self._stage[i] = b = _anon_map(need)
+                    self._stage[i] = b = anonymous_map(need)
                 free.put_nowait(b)
         return await asyncio.gather(*(self._write_one(it, rec, free) for it, rec in zip(items, records, strict=True)),
                                     return_exceptions=True)
@@ -345,12 +346,6 @@ def _parse_name(name: str) -> tuple[bytes, int] | None:
         return bytes.fromhex(parts[0]), int(parts[1], 16)
     except ValueError:
         return None
-
-
-def _anon_map(size: int) -> mmap.mmap:
-    # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which a forked child
-    # would share with its parent, so two processes' writers would fill the same buffer.
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _in_place(it: PutItem) -> memoryview | None:

@@ -1,0 +1,93 @@
+"""What ``KVCache.load`` hands back lives in memory of its own: dropping it gives the memory
+back to the system (beyond a few recently freed maps kept for the next results), instead of
+leaving it in glibc's heap, where a long run of loads grew the process by hundreds of MiB."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+from kvhelpers import make_kv, namespace, open_cache, same_bits, tokens
+
+from kvtier.buffer_pool import ResultMemory
+
+KV_SHAPE = (8, 2, 8, 64)  # 16 KiB per bf16 token
+CHUNK = 64  # 1 MiB chunks
+MIB = 1 << 20
+
+
+def _anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def _cache(path: Path):
+    ns = namespace(kv_shape=KV_SHAPE, chunk_tokens=CHUNK)
+    return open_cache(path, "files", ns, host_bytes=64 * MIB, write_queue_bytes=32 * MIB)
+
+
+def test_dropped_load_results_give_their_memory_back(tmp_path: Path) -> None:
+    toks = tokens(1, 16 * CHUNK)
+    kv = make_kv(toks, kv_shape=KV_SHAPE)
+    with _cache(tmp_path / "s") as cache:
+        cache.save(toks, kv)
+        assert cache.flush(30)
+        for n in (CHUNK, 16 * CHUNK):  # warm up: the host tier and the kept maps are filled
+            cache.load(toks, max_tokens=n)
+        gc.collect()
+        before = _anon_bytes()
+        pins = []
+        for k in range(1, 17):  # results of 1 to 16 MiB, each dropped before the next load
+            got = cache.load(toks, max_tokens=k * CHUNK)
+            assert got.shape[2] == k * CHUNK and same_bits(got, kv.narrow(2, 0, k * CHUNK))
+            # something small and long-lived after each: in glibc's heap, the freed result
+            # below it could not be trimmed away
+            pins.append(torch.ones(16 * 1024))
+            del got
+        gc.collect()
+        grown = _anon_bytes() - before
+        kept = cache.store.results.keep_bytes
+    # 136 MiB of results were loaded and dropped; what stays is at most the kept maps (and
+    # the pins, 1 MiB); in glibc's heap this grew by about the sum of the results
+    assert grown <= kept + 8 * MIB, f"grew {grown / MIB:.0f} MiB"
+
+
+def test_a_result_is_never_reused_while_any_view_of_it_lives(tmp_path: Path) -> None:
+    a, b = tokens(2, 4 * CHUNK), tokens(3, 4 * CHUNK)
+    kv_a, kv_b = make_kv(a, kv_shape=KV_SHAPE), make_kv(b, kv_shape=KV_SHAPE)
+    with _cache(tmp_path / "s") as cache:
+        cache.save(a, kv_a)
+        cache.save(b, kv_b)
+        assert cache.flush(30)
+        got = cache.load(a)
+        view = got[3]  # a view alone keeps the memory
+        del got
+        gc.collect()
+        other = cache.load(b)  # same size: would take the map if it had been given back
+        assert same_bits(other, kv_b)
+        assert same_bits(view, kv_a[3])
+        del view, other
+        gc.collect()
+        mapped = cache.store.results.mapped
+        for _ in range(10):  # now a steady stream of results reuses what was freed
+            assert same_bits(cache.load(a), kv_a)
+        assert cache.store.results.mapped == mapped
+
+
+def test_freed_maps_beyond_the_kept_bytes_are_unmapped() -> None:
+    mem = ResultMemory(keep_bytes=3 * MIB)
+    shape, dtype = (MIB // 2,), torch.bfloat16  # 1 MiB each
+    live = [mem.empty(shape, dtype).fill_(i) for i in range(5)]
+    assert mem.mapped == 5
+    del live
+    gc.collect()
+    assert mem._kept == 3 * MIB  # the three most recently freed are kept, two unmapped
+    again = [mem.empty(shape, dtype) for _ in range(4)]
+    assert mem.mapped == 6 and mem._kept == 0
+    del again
+    small = mem.empty((100,), dtype)  # below a map's worth: an ordinary tensor
+    assert mem.mapped == 6 and small.numel() == 100
