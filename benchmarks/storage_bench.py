@@ -223,7 +223,13 @@ def w_kv_load(p: Params) -> Result:
     del kv  # regenerated for the check afterwards
     ct = p["chunk_tokens"]
     results: Result = {}
+    from kvtier import codec
+
+    runs = codec._contiguous_runs
     for mode in p["modes"]:
+        # "load_staged", the A/B baseline of "load": each record read whole into a staging
+        # buffer, verified, then copied into its slice of the result
+        codec._contiguous_runs = (lambda t: None) if mode == "load_staged" else runs
         bufs: list[torch.Tensor] = []
         if mode.startswith("get_"):
             shape = (p["layers"], 2, ct, p["kv_heads"], p["head_dim"])
@@ -239,7 +245,7 @@ def w_kv_load(p: Params) -> Result:
             del warm
             t0 = time.perf_counter()
         t1 = time.perf_counter()
-        if mode == "load":
+        if mode in ("load", "load_staged"):
             out = cache.load(tokens)
         elif mode.startswith("host_tier"):  # the connector's path: into the host tier's pooled buffers
             loaded = list(cache.store.load_many([c.key for c in cache.chunks(tokens)]))
@@ -466,7 +472,7 @@ def collect(args: argparse.Namespace) -> Result:
                         out["notes"][name] = r["failed"]
                     out["store"].setdefault(name, []).append(r)
                     if dur == "power" and not staged and r and not r.get("failed"):
-                        modes = ["load", "get_into", "get_parallel"] if comp == "none" else ["load"]
+                        modes = ["load", "load_staged", "get_into", "get_parallel"] if comp == "none" else ["load"]
                         if comp == "none" and backend == "files":
                             modes += ["host_tier", "host_tier_direct"]
                         loads = runner.kvtier(f"load {name} {'+'.join(modes)} {tag}", "kv_load",
@@ -640,7 +646,7 @@ def render(res: Result) -> str:
         add("")
         add("### Cold load (files written back and evicted from the page cache; kvtier in a new process)")
         add("")
-        add("`load` = `KVCache.load(tokens)` (lookup + read + verify + one new tensor); `get_into` = "
+        add("`load` = `KVCache.load(tokens)` (lookup + read + verify + one new tensor), `load_staged` = the same with each record staged whole and copied into the result (the path before run-by-run reads); `get_into` = "
             "`ChunkStore.get(key, out=buf)` into preallocated chunk buffers, one after another; "
             f"`get_parallel` = the same split over {pr['io_threads']} `get_async` calls; `host_tier` = "
             "`ChunkStore.load_many` into the host tier's pooled buffers (the connector's path), "

@@ -358,10 +358,23 @@ def decode_from(
     which lets a file be read with ``O_DIRECT``."""
     header = decode_header(reader.head, max_record_bytes=max_record_bytes, record_len=reader.size)
     _check_key(header, expect_key)
+    runs = None  # a strided scratch ``out`` (a slice of a bigger tensor): its contiguous runs
+    if out is not None and out_is_scratch and out.device.type == "cpu" and not out.is_contiguous():
+        runs = _contiguous_runs(out) if tuple(out.shape) == header.shape and out.dtype == header.dtype else None
     direct = out is None or (out_is_scratch and out.device.type == "cpu" and out.is_contiguous())
-    if header.codec != CODEC_RAW or not direct:
+    if header.codec != CODEC_RAW or not (direct or runs):
         return decode(reader.whole(), expect_key=expect_key, out=out, alloc=alloc,
                       max_record_bytes=max_record_bytes)
+    if runs:  # read each run straight from the record, in payload order, and verify them all
+        h = xxhash.xxh3_128()
+        pos = header.header_len
+        for run in runs:
+            reader.fill(run, pos)
+            h.update(run)
+            pos += len(run)
+        if h.digest() != header.checksum:
+            raise RecordError("payload checksum mismatch")
+        return header, out
     import torch
 
     region = None
@@ -382,6 +395,28 @@ def decode_from(
     if xxhash.xxh3_128_digest(view) != header.checksum:
         raise RecordError("payload checksum mismatch")
     return header, dest
+
+
+_MIN_RUN_BYTES = 64 * 1024  # shorter runs are cheaper staged whole and copied once
+
+
+def _contiguous_runs(t: torch.Tensor) -> list[memoryview] | None:
+    """The memory of a strided CPU tensor as contiguous runs in row-major (payload) order,
+    e.g. one run per layer and K/V for a chunk's slice of a ``[layers, 2, tokens, ...]``
+    tensor; None if its last dimension is strided or its runs are short."""
+    import torch
+
+    if not t.dim() or t.stride(-1) != 1 or t.numel() == 0:
+        return None
+    arr = t.view(torch.uint8).numpy()
+    k = arr.ndim  # the run is arr[i_0..i_{k-1}], contiguous: find the smallest such k
+    expect = arr.itemsize
+    while k > 0 and arr.strides[k - 1] == expect:
+        expect *= arr.shape[k - 1]
+        k -= 1
+    if expect < _MIN_RUN_BYTES:
+        return None
+    return [memoryview(arr[idx]).cast("B") for idx in np.ndindex(*arr.shape[:k])]
 
 
 def _check_key(header: RecordHeader, expect_key: bytes | None) -> None:

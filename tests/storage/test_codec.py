@@ -212,3 +212,36 @@ def test_decode_from_a_reader_reads_into_the_destination_and_verifies_there() ->
     assert not kept.view(torch.uint8).any()
     with pytest.raises(RecordError, match="ends at"):
         ViewReader(memoryview(rec)).fill(memoryview(bytearray(10)), len(rec) - 5)
+
+
+def test_a_strided_scratch_destination_is_filled_run_by_run_and_verified() -> None:
+    """A chunk's slice of a bigger ``[layers, 2, tokens, ...]`` tensor (what ``KVCache.load``
+    decodes into) is read straight into its contiguous runs, never staged whole first; a
+    flipped byte in any run is still caught."""
+    from kvtier.backends.payloads import ViewReader
+
+    class RunsOnly(ViewReader):
+        def whole(self) -> memoryview:
+            raise AssertionError("staged the whole record")
+
+    t = rand_tensor(torch.bfloat16, (4, 2, 128, 4, 64), seed=5)
+    rec = b"".join(codec.encode(t, key=KEY, namespace_id=NS, token_start=0, num_tokens=128))
+    big = torch.zeros((4, 2, 3 * 128, 4, 64), dtype=torch.bfloat16)
+    dst = big.narrow(2, 128, 128)
+    assert not dst.is_contiguous()  # 8 runs (layer, K/V) of 128 tokens x 512 B = 64 KiB
+    header, got = codec.decode_from(RunsOnly(memoryview(rec)), expect_key=KEY, out=dst, out_is_scratch=True)
+    assert got is dst and same_bits(dst, t)
+    assert not big.narrow(2, 0, 128).view(torch.int16).any() and not big.narrow(2, 256, 128).view(torch.int16).any()
+    for at in (header.header_len, len(rec) // 2, len(rec) - 1):  # first, a middle and the last run
+        bad = bytearray(rec)
+        bad[at] ^= 0x01
+        with pytest.raises(RecordError, match="checksum"):
+            codec.decode_from(RunsOnly(memoryview(bytes(bad))), out=dst, out_is_scratch=True)
+    # short runs (under 64 KiB) go through one staged read and one copy instead
+    small = torch.zeros((4, 2, 3 * 64, 4, 64), dtype=torch.bfloat16).narrow(2, 64, 64)
+    t2 = t.narrow(2, 0, 64).contiguous()
+    rec2 = b"".join(codec.encode(t2, key=KEY, namespace_id=NS, token_start=0, num_tokens=64))
+    with pytest.raises(AssertionError, match="staged"):
+        codec.decode_from(RunsOnly(memoryview(rec2)), out=small, out_is_scratch=True)
+    codec.decode_from(ViewReader(memoryview(rec2)), out=small, out_is_scratch=True)
+    assert same_bits(small, t2)

@@ -1,12 +1,14 @@
-"""What ``KVCache.load`` hands back lives in memory of its own: dropping it gives the memory
-back to the system (beyond a few recently freed maps kept for the next results), instead of
-leaving it in glibc's heap, where a long run of loads grew the process by hundreds of MiB."""
+"""What ``KVCache.load`` hands back: read straight into the result's slices, verified, and in
+memory of its own. Dropping it gives the memory back to the system (beyond a few recently
+freed maps kept for the next results), instead of leaving it in glibc's heap, where a long
+run of loads grew the process by hundreds of MiB."""
 
 from __future__ import annotations
 
 import gc
 from pathlib import Path
 
+import pytest
 import torch
 from kvhelpers import make_kv, namespace, open_cache, same_bits, tokens
 
@@ -25,9 +27,9 @@ def _anon_bytes() -> int:
     raise AssertionError("no RssAnon in /proc/self/status")
 
 
-def _cache(path: Path):
+def _cache(path: Path, backend: str = "files", host_bytes: int = 64 * MIB):
     ns = namespace(kv_shape=KV_SHAPE, chunk_tokens=CHUNK)
-    return open_cache(path, "files", ns, host_bytes=64 * MIB, write_queue_bytes=32 * MIB)
+    return open_cache(path, backend, ns, host_bytes=host_bytes, write_queue_bytes=32 * MIB)
 
 
 def test_dropped_load_results_give_their_memory_back(tmp_path: Path) -> None:
@@ -91,3 +93,28 @@ def test_freed_maps_beyond_the_kept_bytes_are_unmapped() -> None:
     del again
     small = mem.empty((100,), dtype)  # below a map's worth: an ordinary tensor
     assert mem.mapped == 6 and small.numel() == 100
+
+
+
+@pytest.mark.parametrize("backend", ["files", "lmdb"])
+def test_a_bulk_load_reads_into_the_result_and_stops_at_a_corrupt_chunk(tmp_path: Path, backend: str) -> None:
+    """With no host tier, ``load`` decodes every chunk straight into its slice of the result,
+    one read per layer and K/V (no staging): bit-exact, and a flipped byte in the third
+    chunk ends the result after the second, counted as corrupt."""
+    from test_corruption import read_raw, write_raw
+
+    toks = tokens(4, 6 * CHUNK)
+    kv = make_kv(toks, kv_shape=KV_SHAPE)
+    store = tmp_path / "s"
+    with _cache(store, backend, host_bytes=0) as cache:
+        cache.save(toks, kv)
+        assert cache.flush(30)
+        assert same_bits(cache.load(toks), kv)
+        bad = cache.chunks(toks)[2].key
+    rec = bytearray(read_raw(store, backend, bad))
+    rec[len(rec) // 2] ^= 0x10
+    write_raw(store, backend, bad, bytes(rec))
+    with _cache(store, backend, host_bytes=0) as cache:
+        got = cache.load(toks)
+        assert got.shape[2] == 2 * CHUNK and same_bits(got, kv.narrow(2, 0, 2 * CHUNK))
+        assert cache.stats()["corrupt_records"] == 1
