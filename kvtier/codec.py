@@ -286,6 +286,10 @@ class RecordReader(Protocol):
     def fill(self, dst: memoryview, offset: int) -> None:
         """Fill ``dst`` from the record at ``offset``; RecordError if the record ends first."""
 
+    def fill_runs(self, runs: Sequence[memoryview], offset: int) -> None:
+        """Fill ``runs`` back to back from the record at ``offset`` (a scattered read: one
+        request for all of them where the store can); RecordError if the record ends first."""
+
     def whole(self) -> memoryview:
         """The whole record (a view valid until the read ends)."""
 
@@ -365,13 +369,11 @@ def decode_from(
     if header.codec != CODEC_RAW or not (direct or runs):
         return decode(reader.whole(), expect_key=expect_key, out=out, alloc=alloc,
                       max_record_bytes=max_record_bytes)
-    if runs:  # read each run straight from the record, in payload order, and verify them all
+    if runs:  # read the runs straight from the record, in payload order, and verify them all
+        reader.fill_runs(runs, header.header_len)
         h = xxhash.xxh3_128()
-        pos = header.header_len
         for run in runs:
-            reader.fill(run, pos)
             h.update(run)
-            pos += len(run)
         if h.digest() != header.checksum:
             raise RecordError("payload checksum mismatch")
         return header, out
@@ -398,6 +400,7 @@ def decode_from(
 
 
 _MIN_RUN_BYTES = 64 * 1024  # shorter runs are cheaper staged whole and copied once
+_MAX_RUNS = 1024  # one scattered read (IOV_MAX on Linux)
 
 
 def _contiguous_runs(t: torch.Tensor) -> list[memoryview] | None:
@@ -414,7 +417,7 @@ def _contiguous_runs(t: torch.Tensor) -> list[memoryview] | None:
     while k > 0 and arr.strides[k - 1] == expect:
         expect *= arr.shape[k - 1]
         k -= 1
-    if expect < _MIN_RUN_BYTES:
+    if expect < _MIN_RUN_BYTES or t.numel() * t.element_size() // expect > _MAX_RUNS:
         return None
     return [memoryview(arr[idx]).cast("B") for idx in np.ndindex(*arr.shape[:k])]
 

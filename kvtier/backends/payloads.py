@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -107,6 +107,11 @@ class ViewReader:
         if len(src) != len(dst):
             raise RecordError(f"record ends at {self.size} bytes, {offset + len(dst)} needed")
         dst[:] = src
+
+    def fill_runs(self, runs: Sequence[memoryview], offset: int) -> None:
+        for run in runs:
+            self.fill(run, offset)
+            offset += len(run)
 
     def whole(self) -> memoryview:
         return self.view

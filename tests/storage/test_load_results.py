@@ -6,6 +6,7 @@ run of loads grew the process by hundreds of MiB."""
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,23 @@ def test_a_bulk_load_reads_into_the_result_and_stops_at_a_corrupt_chunk(tmp_path
         got = cache.load(toks)
         assert got.shape[2] == 2 * CHUNK and same_bits(got, kv.narrow(2, 0, 2 * CHUNK))
         assert cache.stats()["corrupt_records"] == 1
+
+
+def test_a_file_record_is_read_into_runs_in_one_scattered_read(tmp_path: Path) -> None:
+    from kvtier.backends.files import _FileReader
+    from kvtier.backends.payloads import ThreadBuffer
+    from kvtier.errors import RecordError
+
+    data = bytes(range(256)) * 1024  # 256 KiB
+    f = tmp_path / "rec"
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        reader = _FileReader(fd, ThreadBuffer(), max_record_bytes=1 << 30)
+        runs = [memoryview(bytearray(n)) for n in (100, 65536, 3)]
+        reader.fill_runs(runs, 1000)
+        assert b"".join(bytes(r) for r in runs) == data[1000 : 1000 + 65639]
+        with pytest.raises(RecordError, match="ends before"):  # the record is shorter than the runs
+            reader.fill_runs([memoryview(bytearray(4096)), memoryview(bytearray(4096))], len(data) - 5000)
+    finally:
+        os.close(fd)
