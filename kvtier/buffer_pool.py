@@ -26,6 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvtier.anon_memory import anonymous_map
+
 _PAGE = 4096
 # Tensors handed to a caller at least this large get a memory map of their own (``ResultMemory``).
 _OWN_MAP_BYTES = 256 * 1024
@@ -222,14 +224,6 @@ class ResultMemory:
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
-
-
-def anonymous_map(size: int) -> mmap.mmap:
-    """``size`` bytes of zeroed, page-aligned memory of this process alone, returned to the
-    system when the map goes."""
-    # MAP_PRIVATE: Python's default for anonymous maps is MAP_SHARED, which a forked child
-    # would share with its parent (two processes' writers would fill the same buffer).
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _size_class(nbytes: int) -> int:

@@ -37,9 +37,9 @@ from typing import TypeVar
 import aiofiles
 import numpy as np
 
+from kvtier.anon_memory import anonymous_map
 from kvtier.backends.index import EntryInfo, pid_alive
 from kvtier.backends.payloads import PayloadStore, PutItem, ThreadBuffer, oversized
-from kvtier.buffer_pool import anonymous_map
 from kvtier.codec import MAX_HEADER_BYTES, RecordReader
 from kvtier.errors import RecordError
 
