@@ -197,14 +197,18 @@ class ResultMemory:
         return torch.from_numpy(arr).view(dtype).view(shape)  # the storage keeps ``arr`` alive
 
     def _take(self, nbytes: int) -> mmap.mmap:
+        # Nothing under the lock makes a new Python object: that could start a garbage
+        # collection whose finalizers call _give_back on this thread, inside the lock.
         with self._lock:
-            fits = [m for m in self._free if len(m) >= nbytes]
-            if fits:
-                m = min(fits, key=len)
-                self._free.remove(m)
-                self._kept -= len(m)
-                return m
-        self.mapped += 1
+            best = None
+            for m in self._free:
+                if len(m) >= nbytes and (best is None or len(m) < len(best)):
+                    best = m
+            if best is not None:
+                self._free.remove(best)
+                self._kept -= len(best)
+                return best
+            self.mapped += 1
         return anonymous_map(_size_class(nbytes))
 
     def _give_back(self, m: mmap.mmap) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import lmdb
+import numpy as np
 
 from kvtier.backends.index import EntryInfo
 from kvtier.backends.lmdb_env import EnvHandle
@@ -83,7 +84,8 @@ class LmdbPayloads(PayloadStore):
                 else:
                     hl = len(it.header)
                     staging[:hl] = it.header
-                    staging[hl : it.size] = it.payload.cast("B")
+                    np.copyto(np.frombuffer(staging[hl : it.size], dtype=np.uint8),
+                              np.frombuffer(it.payload.cast("B"), dtype=np.uint8))  # without the GIL
                     value = staging[: it.size]
                 txn.put(_dbkey(it.key, loc), value, db=self._records)
 
