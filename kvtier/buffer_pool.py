@@ -21,7 +21,9 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +34,51 @@ _PAGE = 4096
 # Tensors handed to a caller at least this large get a memory map of their own (``ResultMemory``).
 _OWN_MAP_BYTES = 256 * 1024
 
+class _Guard:
+    """A lock for a pool whose items come back through ``weakref.finalize`` callbacks.
+
+    A finalizer can run on any thread at any moment, including on a thread that holds this
+    very lock: from Python 3.12 a garbage collection runs at the interpreter's periodic
+    checks (a loop's back edge, a call), so collecting a cycle that holds a tensor can call
+    the finalizer inside a locked section, and a plain ``with lock`` there deadlocks. So a
+    finalizer hands its item back with :meth:`give_back`, which never blocks: it applies
+    the item at once if the lock is free, else leaves it for whoever holds the lock (or
+    takes it next) to apply on entering or leaving it."""
+
+    def __init__(self, apply: Callable[[Any], None]) -> None:
+        self.lock = threading.Lock()
+        self._apply = apply  # called with the lock held
+        self._later: deque[Any] = deque()
+
+    def give_back(self, item: Any) -> None:
+        if self.lock.acquire(blocking=False):
+            try:
+                self._apply(item)
+                self._drain()
+            finally:
+                self.lock.release()
+        else:
+            self._later.append(item)  # atomic; no lock
+
+    def __enter__(self) -> _Guard:
+        self.lock.acquire()
+        self._drain()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._drain()
+        finally:
+            self.lock.release()
+
+    def _drain(self) -> None:
+        while self._later:
+            self._apply(self._later.popleft())
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.Lock()
+
+
 class BufferPool:
     def __init__(self, cap_bytes: int, *, pin: bool | None = None) -> None:
         self.cap_bytes = cap_bytes
@@ -40,7 +87,7 @@ class BufferPool:
         self.slot_bytes = 0  # what each slot takes: chunk_bytes in whole pages, plus one
         self._free: list[np.ndarray] = []
         self._slots = 0  # slots of the current size that exist (free or in use)
-        self._lock = threading.Lock()
+        self._lock = _Guard(self._take_back)
         self.created = 0  # slots ever allocated (steady state: stops growing)
         self._closed = False
 
@@ -77,7 +124,7 @@ class BufferPool:
             if reclaim is None or not reclaim():
                 return None
         view = slot[:] if lead else slot[:nbytes]  # a new array object per use: its death returns the slot
-        weakref.finalize(view, self._give_back, slot)
+        weakref.finalize(view, self._lock.give_back, slot)
         t = torch.from_numpy(view)[lead : lead + nbytes]  # the storage keeps ``view`` alive
         return t.view(dtype).view(shape) if nbytes else t.view(dtype).reshape(shape)
 
@@ -150,14 +197,14 @@ class BufferPool:
         self.created += 1
         return t.numpy()
 
-    def _give_back(self, slot: np.ndarray) -> None:
-        with self._lock:
-            if len(slot) == self.slot_bytes and not self._closed:
-                self._free.append(slot)
-            # else: a slot of an earlier, smaller size: let it go
+    def _take_back(self, slot: np.ndarray) -> None:
+        """(Under the lock.) A slot nothing uses any more."""
+        if len(slot) == self.slot_bytes and not self._closed:
+            self._free.append(slot)
+        # else: a slot of an earlier, smaller size: let it go
 
     def after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
+        self._lock.after_fork_in_child()
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -183,7 +230,7 @@ class ResultMemory:
         self.keep_bytes = keep_bytes
         self._free: list[mmap.mmap] = []  # oldest first
         self._kept = 0
-        self._lock = threading.Lock()
+        self._lock = _Guard(self._take_back)
         self.mapped = 0  # maps ever made (steady state: stops growing)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -193,12 +240,12 @@ class ResultMemory:
             return torch.empty(shape, dtype=dtype)
         m = self._take(nbytes)
         arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)  # a new object per use: its death frees ``m``
-        weakref.finalize(arr, self._give_back, m)
+        # a map larger than what is kept is simply unmapped when its array goes
+        if len(m) <= self.keep_bytes:
+            weakref.finalize(arr, self._lock.give_back, m)
         return torch.from_numpy(arr).view(dtype).view(shape)  # the storage keeps ``arr`` alive
 
     def _take(self, nbytes: int) -> mmap.mmap:
-        # Nothing under the lock makes a new Python object: that could start a garbage
-        # collection whose finalizers call _give_back on this thread, inside the lock.
         with self._lock:
             best = None
             for m in self._free:
@@ -211,14 +258,12 @@ class ResultMemory:
             self.mapped += 1
         return anonymous_map(_size_class(nbytes))
 
-    def _give_back(self, m: mmap.mmap) -> None:
-        with self._lock:
-            if len(m) > self.keep_bytes:
-                return  # unmapped when the last reference (this call's) goes
-            self._free.append(m)
-            self._kept += len(m)
-            while self._kept > self.keep_bytes:
-                self._kept -= len(self._free.pop(0))
+    def _take_back(self, m: mmap.mmap) -> None:
+        """(Under the lock.) A map no result uses any more: kept, the oldest unmapped."""
+        self._free.append(m)
+        self._kept += len(m)
+        while self._kept > self.keep_bytes:
+            self._kept -= len(self._free.pop(0))
 
     def clear(self) -> None:
         """Unmap every kept map (the store is closed)."""
@@ -227,7 +272,7 @@ class ResultMemory:
             self._kept = 0
 
     def after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
+        self._lock.after_fork_in_child()
 
 
 def _size_class(nbytes: int) -> int:

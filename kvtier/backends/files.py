@@ -413,7 +413,7 @@ class _FileReader:
 
     def fill_runs(self, runs: Sequence[memoryview], offset: int) -> None:
         # one preadv for all: the kernel sees one large sequential read, as for a whole record
-        runs = list(runs)
+        runs = [r for r in runs if len(r)]
         pos = offset
         while runs:
             n = os.preadv(self.fd, runs, pos)

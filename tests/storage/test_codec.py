@@ -245,3 +245,15 @@ def test_a_strided_scratch_destination_is_filled_run_by_run_and_verified() -> No
         codec.decode_from(RunsOnly(memoryview(rec2)), out=small, out_is_scratch=True)
     codec.decode_from(ViewReader(memoryview(rec2)), out=small, out_is_scratch=True)
     assert same_bits(small, t2)
+
+
+def test_an_expanded_destination_is_staged_not_taken_for_corruption() -> None:
+    """Regression: runs that share memory (K and V of an expand()ed tensor) failed the
+    checksum computed over them, so an intact record looked corrupt (and would be removed)."""
+    from kvtier.backends.payloads import ViewReader
+
+    t = rand_tensor(torch.bfloat16, (2, 2, 128, 4, 64), seed=6)
+    rec = b"".join(codec.encode(t, key=KEY, namespace_id=NS, token_start=0, num_tokens=128))
+    out = torch.zeros((2, 1, 128, 4, 64), dtype=torch.bfloat16).expand(2, 2, 128, 4, 64)
+    header, got = codec.decode_from(ViewReader(memoryview(rec)), out=out, out_is_scratch=True)
+    assert got is out  # verified against the record itself: no RecordError

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from kvhelpers import make_kv, namespace, open_cache, same_bits, tokens
 
-from kvtier.buffer_pool import ResultMemory
+from kvtier.buffer_pool import BufferPool, ResultMemory
 
 KV_SHAPE = (8, 2, 8, 64)  # 16 KiB per bf16 token
 CHUNK = 64  # 1 MiB chunks
@@ -139,3 +140,29 @@ def test_a_file_record_is_read_into_runs_in_one_scattered_read(tmp_path: Path) -
             reader.fill_runs([memoryview(bytearray(4096)), memoryview(bytearray(4096))], len(data) - 5000)
     finally:
         os.close(fd)
+
+
+def _drop_inside_lock(lock: object, holder: list[torch.Tensor]) -> bool:
+    """Drop the last reference to a pooled tensor on a thread that holds the pool's lock,
+    as a garbage collection may (from Python 3.12 it runs inside any locked section); True
+    if that thread got out."""
+    def run() -> None:
+        with lock:  # type: ignore[attr-defined]
+            holder.clear()  # its finalizer runs here, on this thread
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(5)
+    return not th.is_alive()
+
+
+def test_memory_freed_inside_the_lock_comes_back_without_a_deadlock() -> None:
+    mem = ResultMemory(keep_bytes=4 * MIB)
+    assert _drop_inside_lock(mem._lock, [mem.empty((MIB // 2,), torch.bfloat16)]), "deadlocked"
+    assert mem._kept == MIB  # handed back when the lock was left
+    again = mem.empty((MIB // 2,), torch.bfloat16)
+    assert mem.mapped == 1 and again.numel() == MIB // 2
+
+    pool = BufferPool(4 * MIB)
+    assert _drop_inside_lock(pool._lock, [pool.acquire((MIB // 2,), torch.bfloat16)]), "deadlocked"
+    assert pool.free_slots == 1
+    assert pool.acquire((MIB // 2,), torch.bfloat16) is not None and pool.created == 1
