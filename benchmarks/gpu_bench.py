@@ -59,6 +59,7 @@ from kvtier.testing.worker_rig import (  # noqa: E402
     load_sync,
     make_worker,
     save_step,
+    wait_reported,
 )
 
 TARGETS = {"overhead_prefill": 0.03, "overhead_decode": 0.03, "overhead_decode_graph": 0.03, "save_vs_d2h": 0.8,
@@ -196,8 +197,7 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                     load_sync(worker, [spec])
                 else:  # vLLM's default: polled from the engine loop until reported received
                     worker.start_loads(KVTierMetadata(loads=[spec]))
-                    while "l" not in (worker.get_finished(set())[1] or ()):
-                        pass
+                    wait_reported(worker, "l")
                 assert not worker.take_load_errors()
 
             host_load = timed(load_all, device, repeat)

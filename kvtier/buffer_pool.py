@@ -123,10 +123,7 @@ class BufferPool:
                 break
             if reclaim is None or not reclaim():
                 return None
-        view = slot[:] if lead else slot[:nbytes]  # a new array object per use: its death returns the slot
-        weakref.finalize(view, self._lock.give_back, slot)
-        t = torch.from_numpy(view)[lead : lead + nbytes]  # the storage keeps ``view`` alive
-        return t.view(dtype).view(shape) if nbytes else t.view(dtype).reshape(shape)
+        return _lend(slot[:] if lead else slot[:nbytes], lead, shape, dtype, self._lock.give_back, slot)
 
     def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Allocate and touch, now, every slot the cap allows for chunks of ``shape``: in one
@@ -211,6 +208,16 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
+def _lend(memory: np.ndarray, start: int, shape: tuple[int, ...], dtype: torch.dtype,
+          give_back: Callable[[Any], None] | None, item: object) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` at byte ``start`` of ``memory`` (bytes, a new array
+    object made for this one use); ``give_back(item)`` runs once nothing uses that memory any
+    more: no tensor, view or array, since the tensor's storage keeps ``memory`` alive."""
+    if give_back is not None:
+        weakref.finalize(memory, give_back, item)
+    t = torch.from_numpy(memory)[start : start + _nbytes(shape, dtype)].view(dtype)
+    return t.view(shape) if t.numel() else t.reshape(shape)
+
 
 class ResultMemory:
     """Memory for tensors handed to a caller to keep as long as it likes (``KVCache.load``'s
@@ -239,11 +246,9 @@ class ResultMemory:
         if nbytes < _OWN_MAP_BYTES:  # below glibc's own mmap threshold's range: the heap is fine
             return torch.empty(shape, dtype=dtype)
         m = self._take(nbytes)
-        arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)  # a new object per use: its death frees ``m``
         # a map larger than what is kept is simply unmapped when its array goes
-        if len(m) <= self.keep_bytes:
-            weakref.finalize(arr, self._lock.give_back, m)
-        return torch.from_numpy(arr).view(dtype).view(shape)  # the storage keeps ``arr`` alive
+        give_back = self._lock.give_back if len(m) <= self.keep_bytes else None
+        return _lend(np.frombuffer(m, dtype=np.uint8, count=nbytes), 0, shape, dtype, give_back, m)
 
     def _take(self, nbytes: int) -> mmap.mmap:
         with self._lock:

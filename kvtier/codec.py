@@ -362,10 +362,11 @@ def decode_from(
     which lets a file be read with ``O_DIRECT``."""
     header = decode_header(reader.head, max_record_bytes=max_record_bytes, record_len=reader.size)
     _check_key(header, expect_key)
-    runs = None  # a strided scratch ``out`` (a slice of a bigger tensor): its contiguous runs
-    if out is not None and out_is_scratch and out.device.type == "cpu" and not out.is_contiguous():
-        runs = _contiguous_runs(out) if tuple(out.shape) == header.shape and out.dtype == header.dtype else None
-    direct = out is None or (out_is_scratch and out.device.type == "cpu" and out.is_contiguous())
+    scratch = out is not None and out_is_scratch and out.device.type == "cpu"
+    direct = out is None or (scratch and out.is_contiguous())
+    # a strided scratch ``out`` (a slice of a bigger tensor) of the record's shape: its contiguous runs
+    runs = (_contiguous_runs(out) if scratch and not direct and tuple(out.shape) == header.shape
+            and out.dtype == header.dtype else None)
     if header.codec != CODEC_RAW or not (direct or runs):
         return decode(reader.whole(), expect_key=expect_key, out=out, alloc=alloc,
                       max_record_bytes=max_record_bytes)

@@ -381,14 +381,20 @@ def _stage_segment(buf: mmap.mmap, it: PutItem, pos: int, n: int) -> int:
     return m
 
 
-def _read_full(fd: int, view: memoryview, offset: int = 0) -> int:
-    """Read from ``offset`` until ``view`` is full or EOF; return the bytes read."""
+def _read_full(fd: int, view: memoryview | Sequence[memoryview], offset: int = 0) -> int:
+    """Read from ``offset`` until ``view`` (or each of several views, back to back: one
+    scattered read) is full or EOF; return the bytes read."""
+    views = [v for v in ([view] if isinstance(view, memoryview) else view) if len(v)]
     got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
+    while views:
+        n = os.preadv(fd, views, offset + got)
         if n == 0:
             break
         got += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
     return got
 
 
@@ -413,17 +419,9 @@ class _FileReader:
 
     def fill_runs(self, runs: Sequence[memoryview], offset: int) -> None:
         # one preadv for all: the kernel sees one large sequential read, as for a whole record
-        runs = [r for r in runs if len(r)]
-        pos = offset
-        while runs:
-            n = os.preadv(self.fd, runs, pos)
-            if n == 0:
-                raise RecordError(f"record file ends before byte {pos + sum(map(len, runs))} (truncated?)")
-            pos += n
-            while runs and n >= len(runs[0]):
-                n -= len(runs.pop(0))
-            if n:
-                runs[0] = runs[0][n:]
+        want = sum(len(r) for r in runs)
+        if _read_full(self.fd, runs, offset) != want:
+            raise RecordError(f"record file ends before byte {offset + want} (truncated?)")
 
     def whole(self) -> memoryview:
         view = self._buf.get(self.size)

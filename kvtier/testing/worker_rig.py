@@ -108,6 +108,15 @@ def load_sync(worker, loads: list) -> None:  # noqa: ANN001
     worker.get_finished(set())  # the step's end: what has landed lets go of its buffers
 
 
+def wait_reported(worker, req_id: str, timeout: float = 120.0) -> None:  # noqa: ANN001
+    """Poll ``get_finished`` as vLLM's engine loop does until the asynchronous load of
+    ``req_id`` is reported received."""
+    deadline = time.monotonic() + timeout
+    while req_id not in (worker.get_finished(set())[1] or ()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the asynchronous load of {req_id!r} was never reported")
+
+
 def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
                     steps: int = 16, loads: int = 16, seed: int = 0, layer_hooks: bool = True,
                     ) -> dict[str, list]:
@@ -197,10 +206,7 @@ def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geome
             time.sleep(idle_s)
             job = worker._loads["a"]
             idle = {"idle_waiting": job.arrived.qsize(), "idle_done": job.future.done()}
-        deadline = time.monotonic() + 120
-        while "a" not in (worker.get_finished(set())[1] or ()):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the asynchronous load was never reported")
+        wait_reported(worker, "a")
     failed = worker.take_load_errors()
     mismatches = [keys[i].hex()[:16] for i, d in enumerate(dest)
                   if not all(torch.equal(a, b) for a, b in zip(blocks(d), want[i], strict=True))]

@@ -99,11 +99,21 @@ def test_freed_maps_beyond_the_kept_bytes_are_unmapped() -> None:
 
 
 @pytest.mark.parametrize("backend", ["files", "lmdb"])
-def test_a_bulk_load_reads_into_the_result_and_stops_at_a_corrupt_chunk(tmp_path: Path, backend: str) -> None:
+def test_a_bulk_load_reads_into_the_result_and_stops_at_a_corrupt_chunk(
+        tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no host tier, ``load`` decodes every chunk straight into its slice of the result,
     one read per layer and K/V (no staging): bit-exact, and a flipped byte in the third
     chunk ends the result after the second, counted as corrupt."""
     from test_corruption import read_raw, write_raw
+
+    from kvtier.backends.files import _FileReader
+    from kvtier.backends.payloads import ViewReader
+
+    def staged(self: object) -> memoryview:
+        raise AssertionError("a record was staged whole")
+
+    for reader in (_FileReader, ViewReader):  # a staged read fails the load, and the test
+        monkeypatch.setattr(reader, "whole", staged)
 
     toks = tokens(4, 6 * CHUNK)
     kv = make_kv(toks, kv_shape=KV_SHAPE)

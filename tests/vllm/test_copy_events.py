@@ -23,6 +23,7 @@ from kvtier import CacheConfig
 from kvtier.store import ChunkStore
 from kvtier.testing.worker_rig import Geometry, make_worker, save_step
 from kvtier.vllm.device import CopyStream
+from kvtier.vllm.worker_side import WorkerSide
 
 G = Geometry()
 PER_CHUNK = G.chunk_tokens // G.block_size
@@ -168,6 +169,22 @@ def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path)
         store.close()
 
 
+def _saved_chunks(store: ChunkStore, worker: WorkerSide, caches: dict[str, torch.Tensor],
+                  copies: GatedCopies, n: int) -> tuple[list[bytes], list[list[int]]]:
+    """Save ``n`` chunks from blocks ``0 .. n * PER_CHUNK`` under new keys, on disk when this
+    returns (a step of at most 4: what the write queue holds); their keys and block ids."""
+    from kvtier.vllm.metadata import SaveSpec
+
+    keys = [os.urandom(32) for _ in range(n)]
+    src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(n)]
+    for first in range(0, n, 4):
+        save_step(worker, caches, [SaveSpec("r", (keys[i],), i * G.chunk_tokens, G.chunk_tokens, src[i])
+                                   for i in range(first, min(n, first + 4))])
+        copies.complete_all()
+        assert store.flush(30)
+    return keys, src
+
+
 def _gate_loads(store: ChunkStore, n: int) -> list[threading.Event]:
     """Hold each chunk of the store's next ``load_many`` back until its gate opens: the
     reads themselves are the store's own; only when each is seen to arrive is controlled."""
@@ -196,16 +213,11 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
     being read (on a GPU they overlap those reads); the request is reported only once every
     chunk has arrived and every copy is done. A chunk that turns out missing fails its
     blocks and every later chunk's, and the chunks copied before it stay."""
-    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
     store, worker, caches, copies = _rig(tmp_path)
     try:
-        keys = [os.urandom(32) for _ in range(3)]
-        src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(3)]
-        save_step(worker, caches, [SaveSpec("r", (k,), i * G.chunk_tokens, G.chunk_tokens, ids)
-                                   for i, (k, ids) in enumerate(zip(keys, src, strict=True))])
-        copies.complete_all()
-        assert store.flush(30)
+        keys, src = _saved_chunks(store, worker, caches, copies, 3)
         want = [_blocks(caches, ids) for ids in src]
         dest = [list(range((3 + i) * PER_CHUNK, (4 + i) * PER_CHUNK)) for i in range(3)]
         for c in caches.values():
@@ -255,16 +267,11 @@ def test_a_failed_copy_fails_its_chunks_and_every_later_one(tmp_path: Path, monk
     fails that chunk's blocks; the load's later chunks are failed without being copied, the
     chunks copied before stay, and the request is still reported, so vLLM recomputes."""
     from kvtier.vllm import worker_side
-    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
     store, worker, caches, copies = _rig(tmp_path)
     try:
-        keys = [os.urandom(32) for _ in range(3)]
-        src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(3)]
-        save_step(worker, caches, [SaveSpec("r", (k,), i * G.chunk_tokens, G.chunk_tokens, ids)
-                                   for i, (k, ids) in enumerate(zip(keys, src, strict=True))])
-        copies.complete_all()
-        assert store.flush(30)
+        keys, src = _saved_chunks(store, worker, caches, copies, 3)
         want = _blocks(caches, src[0])
         dest = [list(range((3 + i) * PER_CHUNK, (4 + i) * PER_CHUNK)) for i in range(3)]
         gates = _gate_loads(store, 3)
@@ -305,19 +312,13 @@ def test_a_long_sync_load_copies_early_batches_and_its_last_layer_by_layer(tmp_p
     (the forward pass overlaps every copy); a longer one copies full batches as they arrive
     and only its last chunks layer by layer. Either way each layer's wait covers all copies
     before it, and every block comes back."""
-    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
     store, worker, caches, copies = _rig(tmp_path)
     try:
         batch = worker._arrived_max
         n = 2 * batch + 1
-        keys = [os.urandom(32) for _ in range(n)]
-        src = [list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i in range(n)]
-        for first in range(0, n, 4):  # the write queue holds 4 chunks
-            save_step(worker, caches, [SaveSpec("r", (keys[i],), i * G.chunk_tokens, G.chunk_tokens, src[i])
-                                       for i in range(first, min(n, first + 4))])
-            copies.complete_all()
-            assert store.flush(30)
+        keys, src = _saved_chunks(store, worker, caches, copies, n)
         want = [_blocks(caches, ids) for ids in src]
         base = n * PER_CHUNK
         for count, early in ((batch, 0), (n, 2)):
