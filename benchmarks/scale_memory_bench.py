@@ -80,7 +80,8 @@ def w_soak(p: Params) -> Result:
                    kv_shape=SOAK_SHAPE, chunk_tokens=CHUNK)
     cfg = CacheConfig(path=Path(p["dir"]), backend=p["backend"], chunk_tokens=CHUNK,
                       host_bytes=p["host_bytes"], write_queue_bytes=p["queue_bytes"],
-                      disk_bytes=p["disk_bytes"], io_threads=2)
+                      disk_bytes=p["disk_bytes"], io_threads=2,
+                      **({"commit_bytes": p["commit_bytes"]} if p.get("commit_bytes") else {}))
     rng = np.random.default_rng(p["seed"])
     prefixes = [np.asarray(tokens_for(p["prefix_tokens"], 1000 + i), dtype=np.uint32)
                 for i in range(p["prefixes"])]
@@ -351,6 +352,7 @@ def main() -> None:
     ap.add_argument("--host-mib", type=int, default=64)
     ap.add_argument("--queue-mib", type=int, default=64)
     ap.add_argument("--disk-mib", type=int, default=512)
+    ap.add_argument("--commit-mib", type=int, default=0, help="commit_bytes in MiB (0: the default)")
     ap.add_argument("--stored", type=int, nargs="+", default=[10_000, 1_000_000])
     ap.add_argument("--prompt-tokens", type=int, default=131_072)
     ap.add_argument("--build-limit-s", type=float, default=120.0,
@@ -387,6 +389,7 @@ def main() -> None:
                     "prefix_tokens": args.prefix_tokens, "min_suffix": args.min_suffix,
                     "max_suffix": args.max_suffix, "host_bytes": args.host_mib * MIB,
                     "queue_bytes": args.queue_mib * MIB, "disk_bytes": args.disk_mib * MIB,
+                    "commit_bytes": args.commit_mib * MIB,
                 }, timeout=600, env=env)
                 shutil.rmtree(d, ignore_errors=True)
         if not args.skip_scale:
