@@ -16,11 +16,6 @@ from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 
 BACKENDS = ("lmdb", "files")
-# commit_bytes when not set: an LMDB write transaction holds a copy of its batch in allocated
-# memory until it commits, so its batches stay small (16 MiB batches stored as fast as 256 MiB
-# ones, benchmarks.md); the files backend writes from the pooled buffers, holds no copy, and
-# gains from large batches
-DEFAULT_COMMIT_BYTES = {"lmdb": 16 << 20, "files": 256 << 20}
 DURABILITY = ("process", "power")
 COMPRESSION = ("none", "zstd")
 
@@ -50,7 +45,7 @@ class CacheConfig:
     # files backend: read record files the page cache does not hold with O_DIRECT, straight
     # into pooled buffers (docs/configuration.md says when it pays)
     direct_reads: bool = False
-    commit_bytes: int | str | None = None  # None: by backend (DEFAULT_COMMIT_BYTES)
+    commit_bytes: int | str = "256M"
     max_record_bytes: int | str = "1G"
     close_timeout_s: float = 30.0
     # The shared remote tier (see docs/scale-out.md): a redis://, rediss:// or
@@ -104,8 +99,7 @@ class CacheConfig:
         self.host_bytes = parse_size(self.host_bytes, "host_bytes")
         self.disk_bytes = parse_size(self.disk_bytes, "disk_bytes")
         self.write_queue_bytes = parse_size(self.write_queue_bytes, "write_queue_bytes")
-        self.commit_bytes = (DEFAULT_COMMIT_BYTES[self.backend] if self.commit_bytes is None
-                             else parse_size(self.commit_bytes, "commit_bytes"))
+        self.commit_bytes = parse_size(self.commit_bytes, "commit_bytes")
         self.max_record_bytes = parse_size(self.max_record_bytes, "max_record_bytes")
         if self.disk_bytes == 0:
             raise ConfigError("disk_bytes: must be above 0; the persistent tier needs a byte budget (e.g. 64G)")

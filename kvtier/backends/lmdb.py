@@ -1,9 +1,11 @@
 """LMDB payload store: record bytes inline in an LMDB environment (``<store>/lmdb``).
 
 Records are keyed by ``location + key``, so a new version of a record never overwrites the
-one the index still names. A batch goes in one write transaction (one sync per batch with
-``durability="power"``; without it, safe against a process crash since committed pages are
-in the OS). Reads are zero-copy views into the map, valid for the read transaction.
+one the index still names. A batch goes in write transactions of at most ``txn_bytes``
+(LMDB holds a copy of a transaction's new pages until it commits), each synced with
+``durability="power"`` and followed by one sync of the last meta page; without it, safe
+against a process crash since committed pages are in the OS. Reads are zero-copy views into
+the map, valid for the read transaction.
 This environment holds payloads only; the index (``index.py``) is a separate, small one, so
 lookups never wait behind a large payload commit.
 """
@@ -32,8 +34,23 @@ def _dbkey(key: bytes, location: int) -> bytes:
     return _LOC.pack(location) + key
 
 
+def _txn_ends(items: list[PutItem], max_bytes: int) -> list[int]:
+    """Where each transaction of :meth:`LmdbPayloads.write_many` ends: at most ``max_bytes``
+    of records each, at least one record."""
+    ends, size = [], 0
+    for i, it in enumerate(items):
+        if size and size + it.size > max_bytes:
+            ends.append(i)
+            size = 0
+        size += it.size
+    return [*ends, len(items)] if items else []
+
+
 class LmdbPayloads(PayloadStore):
     name = "lmdb"
+    # most record bytes per write transaction (what an open transaction holds a copy of):
+    # smaller than the write queue's budget, and as fast as larger ones (benchmarks.md)
+    txn_bytes = 16 << 20
 
     def __init__(self, root: Path, durability: str, disk_bytes: int, max_record_bytes: int,
                  *, readonly: bool = False) -> None:
@@ -41,7 +58,8 @@ class LmdbPayloads(PayloadStore):
         # Address space, not disk: room for the budget, a commit batch and free pages.
         self.env = EnvHandle(root / DATA_DIR, readonly=readonly, sync=durability == "power",
                              map_size=max(4 * disk_bytes, 1 << 30), dbs=((b"records", False),),
-                             readahead=True)  # records are large, read front to back
+                             readahead=True,  # records are large, read front to back
+                             metasync=False)  # write_many syncs once more at its end
         self._staging = bytearray(0)  # only the writer thread uses it (one commit at a time)
 
     @property
@@ -55,20 +73,48 @@ class LmdbPayloads(PayloadStore):
         return size + 48
 
     def write_many(self, items: list[PutItem], locations: list[int]) -> list[BaseException | None]:
-        if not items:
-            return []
+        """Write ``items`` in transactions of at most :attr:`txn_bytes` each (and at least one
+        record): LMDB keeps an open transaction's new pages in allocated memory until it
+        commits, so one transaction for a whole batch would hold a second copy of all of it.
+        With ``durability="power"`` each commit syncs the data pages and one sync at the end
+        makes the last commit's meta page durable too, before the index names any record."""
+        results: list[BaseException | None] = [None] * len(items)
+        done = 0
+        for end in _txn_ends(items, self.txn_bytes):
+            err = self._write_txn(items[done:end], locations[done:end])
+            if err is not None:  # nothing of this transaction is visible; stop here
+                results[done:] = [err] * (len(items) - done)
+                break
+            done = end
+        if done and self.env.synced:
+            try:
+                self.env.sync()
+            except lmdb.Error as exc:  # committed, but not known to be durable: not published
+                results[:done] = [OSError(f"LMDB sync failed: {exc}")] * done
+                self._forget(items[:done], locations[:done])
+        return results
+
+    def _write_txn(self, items: list[PutItem], locations: list[int]) -> BaseException | None:
         for _ in range(8):
             try:
                 self._put_txn(items, locations)
-                return [None] * len(items)
+                return None
             except lmdb.MapFullError as exc:
                 if not self.env.grow():
-                    return [OSError(f"LMDB map full and could not grow: {exc}")] * len(items)
+                    return OSError(f"LMDB map full and could not grow: {exc}")
             except lmdb.Error as exc:
-                # ENOSPC and other I/O errors: the transaction was aborted, nothing is
-                # visible; the whole batch shares one commit, so it fails as one.
-                return [OSError(f"LMDB write failed: {exc}")] * len(items)
-        return [OSError("LMDB map full after growing it 8 times")] * len(items)
+                # ENOSPC and other I/O errors: the transaction was aborted, nothing of it is
+                # visible; its records (and the batch's later ones) fail together
+                return OSError(f"LMDB write failed: {exc}")
+        return OSError("LMDB map full after growing it 8 times")
+
+    def _forget(self, items: list[PutItem], locations: list[int]) -> None:
+        try:  # best effort: what stays is an orphan, swept like a killed writer's
+            with self.env.txn(write=True) as txn:
+                for it, loc in zip(items, locations, strict=True):
+                    txn.delete(_dbkey(it.key, loc), db=self._records)
+        except lmdb.Error:
+            pass
 
     def _put_txn(self, items: list[PutItem], locations: list[int]) -> None:
         # py-lmdb has no MDB_RESERVE: a value not already assembled in place (PutItem.record)

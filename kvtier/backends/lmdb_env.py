@@ -112,8 +112,12 @@ forksafe.register(forksafe.LMDB, before=GATE.before_fork, after_in_parent=GATE.a
 
 
 def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, readahead: bool,
-                max_dbs: int = 8) -> lmdb.Environment:
+                max_dbs: int = 8, metasync: bool = True) -> lmdb.Environment:
     """This process's environment at ``path`` (opened on first use, reference counted).
+
+    ``metasync=False`` (with ``sync``): a commit syncs its data pages but not its meta page,
+    which the next commit's sync (or :meth:`EnvHandle.sync`) makes durable; until then a
+    power loss rolls that commit back whole (LMDB's ``MDB_NOMETASYNC``: still consistent).
 
     ``readahead``: off for an index, which is read a few pages at a time (with it, the first
     lookups after a restart read hundreds of MiB of the map); on for large values, which
@@ -141,7 +145,7 @@ def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, readah
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = lmdb.open(
             str(path), map_size=map_size, max_dbs=max_dbs, subdir=True, readonly=readonly,
-            sync=sync, metasync=sync, readahead=readahead, meminit=False, lock=True, mode=0o600,
+            sync=sync, metasync=sync and metasync, readahead=readahead, meminit=False, lock=True, mode=0o600,
         )
         env.reader_check()  # free reader slots of killed processes (they pin old pages)
         _ENVS[key] = (env, 1)
@@ -173,10 +177,12 @@ class EnvHandle:
     reopening after ``fork``, and map growth done safely."""
 
     def __init__(self, path: Path, *, readonly: bool, sync: bool, map_size: int,
-                 dbs: tuple[tuple[bytes, bool], ...], readahead: bool = False) -> None:
+                 dbs: tuple[tuple[bytes, bool], ...], readahead: bool = False,
+                 metasync: bool = True) -> None:
         self.path = path
         self.readonly = readonly
-        self._sync = sync
+        self.synced = sync  # commits are synced (durability "power")
+        self._metasync = metasync
         self._readahead = readahead
         self._map_size = map_size
         self._db_specs = dbs  # (name, dupsort)
@@ -185,8 +191,8 @@ class EnvHandle:
         self._open()
 
     def _open(self) -> None:
-        env = acquire_env(self.path, readonly=self.readonly, sync=self._sync, map_size=self._map_size,
-                          readahead=self._readahead)
+        env = acquire_env(self.path, readonly=self.readonly, sync=self.synced, map_size=self._map_size,
+                          readahead=self._readahead, metasync=self._metasync)
         with GATE.held():
             if self.readonly:
                 dbs = {n: env.open_db(n, create=False, dupsort=d) for n, d in self._db_specs}
@@ -221,6 +227,12 @@ class EnvHandle:
                     return
             self._adopt_new_size(env)
         raise lmdb.MapResizedError(f"{self.path}: the map keeps being resized by another process")
+
+    def sync(self) -> None:
+        """Make every commit so far durable (its meta page too, without ``metasync``)."""
+        env = self.env_now()
+        with GATE.held():
+            env.sync(True)
 
     def _adopt_new_size(self, env: lmdb.Environment) -> None:
         """Another process grew the map: adopt its size, with no transaction of ours open."""
