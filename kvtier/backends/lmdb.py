@@ -12,6 +12,7 @@ lookups never wait behind a large payload commit.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,8 +77,12 @@ class LmdbPayloads(PayloadStore):
         """Write ``items`` in transactions of at most :attr:`txn_bytes` each (and at least one
         record): LMDB keeps an open transaction's new pages in allocated memory until it
         commits, so one transaction for a whole batch would hold a second copy of all of it.
-        With ``durability="power"`` each commit syncs the data pages and one sync at the end
-        makes the last commit's meta page durable too, before the index names any record."""
+
+        A failed transaction fails its records and the batch's later ones. With
+        ``durability="power"`` each commit syncs its data pages, one sync at the end makes
+        the last commit's meta page durable too, before the index names any record, and a
+        batch is stored whole or not at all: an I/O error is reported once, so a failed
+        commit may stand for an earlier commit's pages that never reached the disk."""
         results: list[BaseException | None] = [None] * len(items)
         done = 0
         for end in _txn_ends(items, self.txn_bytes):
@@ -87,10 +92,14 @@ class LmdbPayloads(PayloadStore):
                 break
             done = end
         if done and self.env.synced:
-            try:
-                self.env.sync()
-            except lmdb.Error as exc:  # committed, but not known to be durable: not published
-                results[:done] = [OSError(f"LMDB sync failed: {exc}")] * done
+            failed = results[-1]
+            if failed is None:
+                try:
+                    self.env.sync()
+                except lmdb.Error as exc:
+                    failed = OSError(f"LMDB sync failed: {exc}")
+            if failed is not None:  # committed, but not known to be durable: not published
+                results[:done] = [failed] * done
                 self._forget(items[:done], locations[:done])
         return results
 
@@ -106,15 +115,21 @@ class LmdbPayloads(PayloadStore):
                 # ENOSPC and other I/O errors: the transaction was aborted, nothing of it is
                 # visible; its records (and the batch's later ones) fail together
                 return OSError(f"LMDB write failed: {exc}")
+            except Exception as exc:  # e.g. MemoryError staging a record: earlier
+                # transactions of the batch are committed, so this one must not escape
+                return OSError(f"LMDB write failed: {exc!r}")
         return OSError("LMDB map full after growing it 8 times")
 
     def _forget(self, items: list[PutItem], locations: list[int]) -> None:
-        try:  # best effort: what stays is an orphan, swept like a killed writer's
-            with self.env.txn(write=True) as txn:
-                for it, loc in zip(items, locations, strict=True):
-                    txn.delete(_dbkey(it.key, loc), db=self._records)
-        except lmdb.Error:
-            pass
+        with contextlib.suppress(lmdb.Error):  # best effort: what stays is an orphan, which nothing reads
+            self._remove([(it.key, loc) for it, loc in zip(items, locations, strict=True)])
+
+    def _remove(self, records: list[tuple[bytes, int]]) -> None:
+        with self.env.txn(write=True) as txn:
+            for key, loc in records:
+                txn.delete(_dbkey(key, loc), db=self._records)
+        if self.env.synced:  # the removal's meta page too: a removal a power loss undid
+            self.env.sync()  # would leave an orphan that no sweep looks for
 
     def _put_txn(self, items: list[PutItem], locations: list[int]) -> None:
         # py-lmdb has no MDB_RESERVE: a value not already assembled in place (PutItem.record)
@@ -136,11 +151,8 @@ class LmdbPayloads(PayloadStore):
                 txn.put(_dbkey(it.key, loc), value, db=self._records)
 
     def delete(self, entries: list[EntryInfo]) -> None:
-        if not entries or self.env.readonly:
-            return
-        with self.env.txn(write=True) as txn:
-            for e in entries:
-                txn.delete(_dbkey(e.key, e.location), db=self._records)
+        if entries and not self.env.readonly:
+            self._remove([(e.key, e.location) for e in entries])
 
     def read(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
         # buffers=True: a zero-copy view into the map, valid until the transaction ends (a
@@ -166,8 +178,7 @@ class LmdbPayloads(PayloadStore):
                 yield k[8:], _LOC.unpack(k[:8])[0]
 
     def remove_found(self, key: bytes, location: int) -> None:
-        with self.env.txn(write=True) as txn:
-            txn.delete(_dbkey(key, location), db=self._records)
+        self._remove([(key, location)])
 
     def compact(self) -> int:
         return self.env.compact()

@@ -181,7 +181,7 @@ class EnvHandle:
                  metasync: bool = True) -> None:
         self.path = path
         self.readonly = readonly
-        self.synced = sync  # commits are synced (durability "power")
+        self._sync = sync
         self._metasync = metasync
         self._readahead = readahead
         self._map_size = map_size
@@ -191,7 +191,7 @@ class EnvHandle:
         self._open()
 
     def _open(self) -> None:
-        env = acquire_env(self.path, readonly=self.readonly, sync=self.synced, map_size=self._map_size,
+        env = acquire_env(self.path, readonly=self.readonly, sync=self._sync, map_size=self._map_size,
                           readahead=self._readahead, metasync=self._metasync)
         with GATE.held():
             if self.readonly:
@@ -227,6 +227,12 @@ class EnvHandle:
                     return
             self._adopt_new_size(env)
         raise lmdb.MapResizedError(f"{self.path}: the map keeps being resized by another process")
+
+    @property
+    def synced(self) -> bool:
+        """Commits sync (durability "power"): the environment's own flag, set by whichever
+        user of this path opened it first in this process (one environment per path)."""
+        return bool(self.env_now().flags()["sync"])
 
     def sync(self) -> None:
         """Make every commit so far durable (its meta page too, without ``metasync``)."""

@@ -81,20 +81,48 @@ def test_a_batch_is_written_in_bounded_transactions(tmp_path: Path, monkeypatch:
 def test_a_record_over_the_limit_gets_a_transaction_of_its_own(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LmdbPayloads, "txn_bytes", MIB // 2)
-    txns, stats = _save_a_backlog(tmp_path / "s", monkeypatch)
+    txns, stats = _save_a_backlog(tmp_path / "s", monkeypatch, compression="zstd")
     assert len(txns) == CHUNKS and stats["saves_committed"] == CHUNKS
+    assert _stored(tmp_path / "s") == (CHUNKS * CHUNK, True)
 
 
-def test_a_failed_transaction_loses_only_itself_and_what_follows(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_map_grows_between_transactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_init = EnvHandle.__init__
+
+    def small_map(self: EnvHandle, path: Path, **kw: Any) -> None:
+        if path.name == "lmdb":  # the payloads' map: 8 MiB, for 40 MiB of records
+            kw["map_size"] = 8 * MIB
+        real_init(self, path, **kw)
+
+    monkeypatch.setattr(EnvHandle, "__init__", small_map)
+    txns, stats = _save_a_backlog(tmp_path / "s", monkeypatch)
+    assert len(txns) >= 4 and stats["saves_committed"] == CHUNKS and stats["io_errors"] == 0
+    assert _stored(tmp_path / "s") == (CHUNKS * CHUNK, True)
+
+
+@pytest.mark.parametrize("durability", ["process", "power"])
+def test_a_failed_transaction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str) -> None:
     path = tmp_path / "s"
-    txns, stats = _save_a_backlog(path, monkeypatch, fail_txn=2)  # the batch's second transaction
-    # the first chunk and the batch's first transaction (15 records: 16 would pass 16 MiB
-    # with their headers) are stored; the other 24 are dropped, and counted
-    assert len(txns) == 3 and txns[1] <= 16 * MIB
-    assert stats["saves_committed"] == 16 and stats["dropped_saves"] == CHUNKS - 16
+    txns, stats = _save_a_backlog(path, monkeypatch, fail_txn=2, durability=durability)
+    assert len(txns) == 3 and txns[1] <= 16 * MIB  # the batch's second transaction failed
+    # "process": the batch's first transaction (15 records: 16 would pass 16 MiB with their
+    # headers) is stored beside the first chunk, and the other 24 are dropped, and counted;
+    # "power": a batch is stored whole or not at all (the error may stand for the earlier
+    # commit's pages), so only the first chunk, from its own batch, is stored
+    stored = 16 if durability == "process" else 1
+    assert stats["saves_committed"] == stored and stats["dropped_saves"] == CHUNKS - stored
     assert stats["io_errors"] >= 1
-    assert _stored(path) == (16 * CHUNK, True)
+    assert _stored(path) == (stored * CHUNK, True)
+    assert _payload_records(path) == stored  # none left behind unpublished
+
+
+def test_power_payload_commits_skip_only_the_meta_sync(tmp_path: Path) -> None:
+    """The payloads' environment syncs every commit but its meta page (write_many and every
+    removal sync that once more); the index syncs both."""
+    with open_cache(tmp_path / "s", "lmdb", durability="power") as cache:
+        envs = {h.path.name: h.env_now().flags() for h in cache.store.backend.lmdb_envs()}
+    assert envs["lmdb"]["sync"] and not envs["lmdb"]["metasync"]
+    assert envs["index"]["sync"] and envs["index"]["metasync"]
 
 
 def test_power_a_failed_sync_publishes_nothing_and_keeps_no_payload(tmp_path: Path,
@@ -113,8 +141,12 @@ def test_power_a_failed_sync_publishes_nothing_and_keeps_no_payload(tmp_path: Pa
     _, stats = _save_a_backlog(path, monkeypatch, durability="power")
     assert stats["saves_committed"] == 1 and stats["dropped_saves"] == CHUNKS - 1
     assert _stored(path) == (CHUNK, True)
-    payloads = LmdbPayloads(path, "power", 1 << 30, 1 << 30, readonly=True)
-    try:  # the 39 records committed before the failed sync were taken out again
-        assert len(list(payloads.found())) == 1
+    assert _payload_records(path) == 1  # the 39 committed before the failed sync were taken out
+
+
+def _payload_records(path: Path) -> int:
+    payloads = LmdbPayloads(path, "process", 1 << 30, 1 << 30, readonly=True)
+    try:
+        return len(list(payloads.found()))
     finally:
         payloads.close()
