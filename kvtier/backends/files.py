@@ -1,7 +1,7 @@
 """Files payload store: one file per record version under hash-sharded directories.
 
-A record is written to a temp file (with aiofiles, many at once on ``io_threads``
-workers), then renamed to ``<key>.<location>.kvt``, a name no other version of the record
+A record is written to a temp file (many at once, on a pool of ``io_threads`` threads driven
+by an asyncio loop), then renamed to ``<key>.<location>.kvt``, a name no other version of the record
 shares: removing an old version can never remove a newer one. The rename does not make the
 record visible; the index commit that names the location does (see ``index.py``). With
 ``durability="power"`` each file is fdatasynced before its rename and each touched
@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import io
 import mmap
 import os
 import stat
@@ -34,7 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-import aiofiles
 import numpy as np
 
 from kvtier.anon_memory import anonymous_map
@@ -52,10 +52,6 @@ _ALIGN = 4096  # O_DIRECT offset/length/address alignment (logical block size, a
 _STAGE_BYTES = 8 << 20
 
 _FORK_ORPHANS: list[object] = []
-
-
-def _owner_only(path: str, flags: int) -> int:
-    return os.open(path, flags, 0o600)
 
 
 class FilePayloads(PayloadStore):
@@ -209,47 +205,58 @@ class FilePayloads(PayloadStore):
                             return tmp
                     finally:
                         free.put_nowait(buf)
-            async with aiofiles.open(tmp, "wb", opener=lambda p, f: _owner_only(p, f | os.O_TRUNC),
-                                     executor=self._pool) as f:
-                await f.write(it.header)
-                await f.write(it.payload)
+            f = await self._on_pool(_open_temp, [tmp, False])
+            try:
+                for part in (it.header, it.payload):
+                    await self._on_pool(_write_all, [f, part])
                 if self.durability == "power":
-                    await f.flush()
-                    await asyncio.get_running_loop().run_in_executor(self._pool, os.fdatasync, f.fileno())
+                    await self._on_pool(os.fdatasync, [f.fileno()])
+            finally:
+                await self._on_pool(f.close, [])
         except BaseException:
             _unlink_quiet(tmp)
             raise
         return tmp
+
+    async def _on_pool(self, fn: Callable[..., T], args: list[object]) -> T:
+        """``fn(*args)`` on the I/O pool, holding no reference to ``args`` once it returns.
+        A pool thread deletes its work item (and the arguments in it) only after setting
+        the result, so a chunk's buffer passed as a plain argument could outlive the batch
+        by a moment on a busy machine, and a save right after ``flush`` found the pool full
+        (a dropped save)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, _call_and_drop, fn, args)
 
     async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview, *,
                             in_place: bool = False) -> bool:
         """Write the record with O_DIRECT, through the staging buffer ``buf``, or straight
         from ``buf`` when it is the record itself (``in_place``); False if the filesystem
         refuses O_DIRECT."""
-        loop = asyncio.get_running_loop()
         total = it.size
         if in_place:  # the padding up to the last page goes to disk too (then truncated)
             np.frombuffer(buf, dtype=np.uint8)[total:] = 0
         try:
-            # buffering=0: a raw FileIO, so each write() is one write(2) of the aligned view
-            async with aiofiles.open(tmp, "wb", buffering=0, executor=self._pool,
-                                     opener=lambda p, f: _owner_only(p, f | os.O_TRUNC | os.O_DIRECT)) as f:
+            # a raw FileIO: each write() is one write(2) of the aligned view
+            f = await self._on_pool(_open_temp, [tmp, True])
+            try:
                 pos = 0
                 while pos < total:
                     if in_place:
                         n = min(_STAGE_BYTES, total - pos)
-                        view = memoryview(buf)[pos : pos + _round_up(n)]
+                        m = _round_up(n)
                     else:
                         n = min(len(buf), total - pos)
                         # the copy runs on the pool too: numpy releases the GIL while copying
-                        view = memoryview(buf)[: await loop.run_in_executor(self._pool, _stage_segment, buf, it, pos, n)]
-                    if await f.write(view) != len(view):
+                        m = await self._on_pool(_stage_segment, [buf, it, pos, n])
+                    start = pos if in_place else 0
+                    if await self._on_pool(_write_view, [f, buf, start, m]) != m:
                         raise OSError(errno.EIO, f"short O_DIRECT write to {tmp}")
                     pos += n
                 if _round_up(total) != total:  # drop the padding: the file is exactly the record
-                    await loop.run_in_executor(self._pool, os.ftruncate, f.fileno(), total)
+                    await self._on_pool(os.ftruncate, [f.fileno(), total])
                 if self.durability == "power":
-                    await loop.run_in_executor(self._pool, os.fdatasync, f.fileno())
+                    await self._on_pool(os.fdatasync, [f.fileno()])
+            finally:
+                await self._on_pool(f.close, [])
         except OSError as exc:
             if exc.errno != errno.EINVAL or self._direct_write:
                 raise
@@ -360,6 +367,31 @@ def _in_place(it: PutItem) -> memoryview | None:
 
 def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _call_and_drop(fn: Callable[..., T], args: list[object]) -> T:
+    """Call ``fn`` with ``args``, emptying the list first: the caller's list (which the pool's
+    work item holds) keeps no reference past the call (see ``FilePayloads._on_pool``)."""
+    taken = args[:]
+    args.clear()
+    return fn(*taken)
+
+
+def _open_temp(path: str, direct: bool) -> io.FileIO:
+    """A new temp file, owner-only, unbuffered (``O_DIRECT`` if ``direct``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    return io.FileIO(os.open(path, flags, 0o600), "wb", closefd=True)
+
+
+def _write_view(f: io.FileIO, buf: mmap.mmap | memoryview, start: int, n: int) -> int:
+    """One ``write(2)`` of ``buf[start:start + n]`` (page-aligned, for ``O_DIRECT``)."""
+    return f.write(memoryview(buf)[start : start + n]) or 0
+
+
+def _write_all(f: io.FileIO, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view) or 0 :]
 
 
 def _stage_segment(buf: mmap.mmap, it: PutItem, pos: int, n: int) -> int:

@@ -5,6 +5,8 @@ an exhausted pool drops a save instead of allocating."""
 from __future__ import annotations
 
 import gc
+import time
+from concurrent.futures import thread
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,27 @@ def test_a_flush_gives_the_buffers_back(tmp_path: Path) -> None:
             assert cache.flush(30)
         stats = cache.stats()
     assert stats["dropped_saves"] == 0 and stats["disk_records"] == 24
+
+
+def test_a_lingering_io_thread_keeps_no_chunk_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a pool thread that wrote a chunk still held its work item (with the
+    chunk's buffer among the call's arguments) while it signalled the result to the event
+    loop, so on a busy machine the batch could finish, flush() return, and the next save
+    find the pool full (3 of 30 runs of the test above with the cores busy, stacks taken at
+    the drop). Here every pool thread lingers after each call, and there are threads enough
+    that the others go on meanwhile."""
+    real_run = thread._WorkItem.run
+
+    def run_then_linger(self: thread._WorkItem) -> None:  # type: ignore[name-defined]
+        real_run(self)
+        time.sleep(0.2)  # descheduled before it drops the work item
+
+    monkeypatch.setattr(thread._WorkItem, "run", run_then_linger)
+    with open_cache(tmp_path / "s", "files", host_bytes=0, write_queue_bytes=2 * CHUNK_BYTES,
+                    io_threads=16) as cache:
+        for seed in range(3):
+            toks = tokens(seed, 2 * CHUNK)
+            cache.save(toks, make_kv(toks))
+            assert cache.flush(30)
+        stats = cache.stats()
+    assert stats["dropped_saves"] == 0 and stats["disk_records"] == 6
