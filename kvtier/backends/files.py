@@ -185,8 +185,12 @@ class FilePayloads(PayloadStore):
                 if len(b) < need:  # grown records: replace (the old buffer is not in use now)
                     self._stage[i] = b = anonymous_map(need)
                 free.put_nowait(b)
-        return await asyncio.gather(*(self._write_one(it, rec, free) for it, rec in zip(items, records, strict=True)),
-                                    return_exceptions=True)
+        results = await asyncio.gather(*(self._write_one(it, rec, free) for it, rec in zip(items, records, strict=True)),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                _forget_frames(r)
+        return results
 
     async def _write_one(self, it: PutItem, record: memoryview | None, free: asyncio.Queue[mmap.mmap]) -> str:
         """Write ``it`` to a temp file: with O_DIRECT from ``record`` (the record in place,
@@ -223,7 +227,8 @@ class FilePayloads(PayloadStore):
         A pool thread deletes its work item (and the arguments in it) only after setting
         the result, so a chunk's buffer passed as a plain argument could outlive the batch
         by a moment on a busy machine, and a save right after ``flush`` found the pool full
-        (a dropped save)."""
+        (a dropped save). ``fn`` itself stays in the work item: never pass a bound method
+        of something that holds a chunk."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, _call_and_drop, fn, args)
 
     async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview, *,
@@ -262,6 +267,7 @@ class FilePayloads(PayloadStore):
                 raise
             self._direct_write = False  # never worked here: buffered from now on
             _unlink_quiet(tmp)
+            _forget_frames(exc)  # the pool's future keeps it a while
             return False
         self._direct_write = True
         return True
@@ -379,8 +385,23 @@ def _call_and_drop(fn: Callable[..., T], args: list[object]) -> T:
 
 def _open_temp(path: str, direct: bool) -> io.FileIO:
     """A new temp file, owner-only, unbuffered (``O_DIRECT`` if ``direct``)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    return io.FileIO(os.open(path, flags, 0o600), "wb", closefd=True)
+    extra = os.O_DIRECT if direct else 0
+    return io.FileIO(path, "wb", opener=lambda p, flags: os.open(p, flags | extra, 0o600))
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the tracebacks of a failed write's error and of the errors it chains: their
+    frames hold the chunk's buffer, which the error (kept in a result, in a log record)
+    would otherwise keep out of the pool."""
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
 
 
 def _write_view(f: io.FileIO, buf: mmap.mmap | memoryview, start: int, n: int) -> int:
@@ -391,7 +412,10 @@ def _write_view(f: io.FileIO, buf: mmap.mmap | memoryview, start: int, n: int) -
 def _write_all(f: io.FileIO, data: bytes | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
-        view = view[f.write(view) or 0 :]
+        n = f.write(view)
+        if not n:
+            raise OSError(errno.EIO, f"write to {f.name} made no progress")
+        view = view[n:]
 
 
 def _stage_segment(buf: mmap.mmap, it: PutItem, pos: int, n: int) -> int:

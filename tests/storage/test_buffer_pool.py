@@ -4,6 +4,7 @@ an exhausted pool drops a save instead of allocating."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import time
 from concurrent.futures import thread
@@ -13,6 +14,7 @@ import pytest
 import torch
 from kvhelpers import CHUNK, make_kv, open_cache, same_bits, tokens
 
+from kvtier.backends import files
 from kvtier.buffer_pool import BufferPool
 
 SHAPE = (2, 2, CHUNK, 4, 32)
@@ -153,11 +155,22 @@ def test_a_lingering_io_thread_keeps_no_chunk_buffer(tmp_path: Path, monkeypatch
         time.sleep(0.2)  # descheduled before it drops the work item
 
     monkeypatch.setattr(thread._WorkItem, "run", run_then_linger)
+    real_write = files._write_view
+    full = [True]  # the first batch's writes fail: the errors' tracebacks held the buffers too
+
+    def write_view(*args: object) -> int:
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_write(*args)
+
+    monkeypatch.setattr(files, "_write_view", write_view)
     with open_cache(tmp_path / "s", "files", host_bytes=0, write_queue_bytes=2 * CHUNK_BYTES,
                     io_threads=16) as cache:
-        for seed in range(3):
+        for seed in range(4):
             toks = tokens(seed, 2 * CHUNK)
             cache.save(toks, make_kv(toks))
             assert cache.flush(30)
+            full[0] = False
         stats = cache.stats()
-    assert stats["dropped_saves"] == 0 and stats["disk_records"] == 6
+    # the 2 chunks whose writes failed are dropped (and counted); every later save is kept
+    assert stats["dropped_saves"] == 2 and stats["disk_records"] == 6
