@@ -140,7 +140,8 @@ class KVCache:
         Every chunk is verified; loading stops at the first chunk that is missing or fails
         verification, so the result is always a correct (possibly shorter, possibly empty) prefix.
         The result's memory is its own, given back to the system when the result is dropped;
-        it cannot grow in place (``resize_`` to a larger size raises: copy it instead).
+        it cannot grow in place (``resize_`` to a larger size raises and leaves that tensor's
+        sizes changed: copy it instead).
         """
         hits = self.match(tokens, extras)
         if max_tokens is not None:

@@ -49,8 +49,9 @@ def _txn_ends(items: list[PutItem], max_bytes: int) -> list[int]:
 
 class LmdbPayloads(PayloadStore):
     name = "lmdb"
-    # most record bytes per write transaction (what an open transaction holds a copy of):
-    # smaller than the write queue's budget, and as fast as larger ones (benchmarks.md)
+    # most record bytes per write transaction (what an open transaction holds a copy of), so
+    # LMDB stays inside the budgets + 64 MiB; no slower than a transaction per batch with
+    # durability "power", slower on this VM's page cache with "process" (benchmarks.md)
     txn_bytes = 16 << 20
 
     def __init__(self, root: Path, durability: str, disk_bytes: int, max_record_bytes: int,
@@ -92,7 +93,7 @@ class LmdbPayloads(PayloadStore):
                 break
             done = end
         if done and self.env.synced:
-            failed = results[-1]
+            failed = results[done] if done < len(items) else None
             if failed is None:
                 try:
                     self.env.sync()

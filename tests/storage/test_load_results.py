@@ -178,3 +178,19 @@ def test_memory_freed_inside_the_lock_comes_back_without_a_deadlock() -> None:
     assert _drop_inside_lock(pool._lock, [pool.acquire((MIB // 2,), torch.bfloat16)]), "deadlocked"
     assert pool.free_slots == 1
     assert pool.acquire((MIB // 2,), torch.bfloat16) is not None and pool.created == 1
+
+
+def test_a_result_cannot_grow_in_place(tmp_path: Path) -> None:
+    """As KVCache.load documents: the result's memory is its own map, which cannot be
+    resized; growing it raises (torch leaves that tensor's sizes changed, so the test
+    checks the memory through another view)."""
+    toks = tokens(4, 4 * CHUNK)
+    kv = make_kv(toks, kv_shape=KV_SHAPE)
+    with _cache(tmp_path / "s") as cache:
+        cache.save(toks, kv)
+        assert cache.flush(30)
+        got = cache.load(toks)
+        other = got[:]  # a second view of the same memory
+        with pytest.raises(RuntimeError):
+            got.resize_(got.shape[0] + 1, *got.shape[1:])
+        assert same_bits(other, kv)  # the memory is intact
