@@ -183,6 +183,11 @@ def w_kv_store(p: Params) -> Result:
         from kvtier.backends.lmdb import LmdbPayloads
 
         LmdbPayloads.txn_bytes = 1 << 62
+    if p.get("serial"):  # the A/B baseline of the writer pipeline: a batch is prepared only
+        from kvtier.store import ChunkStore  # once the one before it is written
+
+        can_take = ChunkStore._can_take
+        ChunkStore._can_take = lambda self: can_take(self) and not self._committing  # type: ignore[method-assign]
     if p.get("staged"):  # the A/B baseline: records assembled in a staging buffer before the write
         from kvtier import codec
 
@@ -458,7 +463,9 @@ def collect(args: argparse.Namespace) -> Result:
     # written (how every save was written before records were written from their pool buffers)
     # "one_txn" (lmdb only): the A/B baseline of LMDB's 16 MiB write transactions, with a
     # whole batch (up to commit_bytes) in one transaction
-    configs = ([(dur, "none") for dur in ("process", "power")] + [("power", "staged")]
+    # "serial": the A/B baseline of the writer pipeline, each batch prepared (encoded,
+    # checksummed) only after the one before it is written
+    configs = ([(dur, "none") for dur in ("process", "power")] + [("power", "staged"), ("power", "serial")]
                + [(dur, "one_txn") for dur in ("process", "power")]
                + ([("power", "zstd")] if args.zstd else []))
     try:
@@ -478,16 +485,17 @@ def collect(args: argparse.Namespace) -> Result:
                         continue
                     name = f"{backend}/{dur}/{comp}"
                     d = work / f"kv-{backend}-{dur}-{comp}"
-                    staged, one_txn = comp == "staged", comp == "one_txn"
+                    staged, one_txn, serial = comp == "staged", comp == "one_txn", comp == "serial"
+                    baseline = staged or one_txn or serial
                     p = {**base, "dir": str(d), "backend": backend, "durability": dur,
-                         "compression": "none" if staged or one_txn else comp, "staged": staged,
-                         "one_txn": one_txn}
+                         "compression": "none" if baseline else comp, "staged": staged,
+                         "one_txn": one_txn, "serial": serial}
                     shutil.rmtree(d, ignore_errors=True)
                     r = runner.kvtier(f"store {name} {tag}", "kv_store", p)
                     if r and r.get("failed"):  # e.g. saves dropped: shown as FAILED, no loads
                         out["notes"][name] = r["failed"]
                     out["store"].setdefault(name, []).append(r)
-                    if dur == "power" and not (staged or one_txn) and r and not r.get("failed"):
+                    if dur == "power" and not baseline and r and not r.get("failed"):
                         modes = ["load", "load_staged", "get_into", "get_parallel"] if comp == "none" else ["load"]
                         if comp == "none" and backend == "files":
                             modes += ["host_tier", "host_tier_direct"]
@@ -639,7 +647,9 @@ def render(res: Result) -> str:
             "fsyncs: its durable figure adds an fsync of every file. `÷ LMCache` = API ÷ LMCache "
             "store-until-indexed / durable ÷ LMCache durable. `staged`: records copied into a staging "
             "buffer before the write (the path before in-place writes); `one_txn`: LMDB with each "
-            "batch in one write transaction instead of transactions of at most 16 MiB.")
+            "batch in one write transaction instead of transactions of at most 16 MiB; `serial`: "
+            "each batch prepared (encoded, checksummed) only once the one before it is written, "
+            "instead of while it is written.")
         add("")
         add("| store | API GiB/s | durable GiB/s | durable ÷ raw | ÷ LMCache (API / durable) | on disk |")
         add("|---|---|---|---|---|---|")

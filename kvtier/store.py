@@ -1,8 +1,9 @@
 """The tiered chunk store: a host-memory tier over one persistent backend.
 
 Saves are write-behind: ``put`` puts the chunk in the host tier and on a bounded queue and
-returns at once; a writer thread encodes queued chunks and commits them in batches (group
-commit); the commit itself evicts, across every process's records, down to the store's
+returns at once; a writer thread encodes queued chunks in batches, and a committer thread
+writes and publishes each batch (group commit) while the writer prepares the next; the
+commit itself evicts, across every process's records, down to the store's
 budget. When the queue is full, a save is dropped and counted rather than blocking the
 caller. Loads check the host tier, then the queue, then the backend, and say what happened
 (:class:`Outcome`): only a record proven corrupt is removed. Nothing here raises into a
@@ -124,13 +125,9 @@ class ChunkStore:
         self._queued_bytes = 0
         self._touched: dict[bytes, int] = {}
         self._cv = threading.Condition()
-        self._inflight = 0
         self._closed = False
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
-        self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
-        if not readonly:
-            self._writer.start()
-            self._register_writer()
+        self._start_writer()
         _LIVE_STORES.add(self)
 
     def _after_fork_in_child(self) -> None:
@@ -141,7 +138,7 @@ class ChunkStore:
             return
         self._cv = threading.Condition()
         self._pending, self._queue, self._touched = {}, [], {}
-        self._queued_bytes = self._inflight = 0
+        self._queued_bytes = 0
         self.counters._lock = threading.Lock()
         self.host._lock = threading.Lock()
         self.pool.after_fork_in_child()
@@ -149,9 +146,20 @@ class ChunkStore:
         # the parent's sockets and upload thread are not ours: connect afresh
         self.remote = open_remote(self.config, self.counters, writer=not self.readonly)
         self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
+        self._start_writer()
+
+    def _start_writer(self) -> None:
+        """The writer and committer threads (see ``_write_loop``), with nothing in flight."""
+        self._inflight = 0  # chunks taken off the queue and not yet stored or dropped
+        self._taken_bytes = 0  # their bytes
+        self._handoff: list | None = None  # a prepared batch (and its records) for the committer
+        self._committing = False
+        self._writer_done = False
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
+        self._committer = threading.Thread(target=self._commit_loop, name="kvtier-committer", daemon=True)
         if not self.readonly:
             self._writer.start()
+            self._committer.start()
             self._register_writer()
 
     # -- saves ---------------------------------------------------------------------
@@ -214,33 +222,89 @@ class ChunkStore:
             return self.remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return True
 
+    # -- the writer: two threads, so that preparing a batch overlaps writing the one before --
     def _write_loop(self) -> None:
+        """Take batches off the queue and prepare them (wait for their device copies, encode
+        and checksum them) on this thread, then hand each to the committer thread, which
+        writes and publishes it. While the committer writes one batch, the next full batch
+        is prepared here: the disk does not wait for a checksum or a device copy."""
+        try:
+            while True:
+                with self._cv:
+                    while not (self._can_take() or self._touched or (self._closed and not self._queue)):
+                        self._cv.wait(1.0)
+                    if self._closed and not self._queue:
+                        return
+                    batch = take_batch(self._queue, self.config.commit_bytes) if self._can_take() else []
+                    self._inflight += len(batch)
+                    self._taken_bytes += sum(p.nbytes for p in batch)
+                    touched, self._touched = self._touched, {}
+                if touched:  # first: the next commit's eviction must see these recent uses
+                    self._apply_touches(touched)
+                if batch:
+                    self._hand_over(batch)
+        finally:
+            with self._cv:
+                self._writer_done = True
+                self._cv.notify_all()
+
+    def _can_take(self) -> bool:
+        """(Under ``_cv``.) Whether the writer may take a batch now: the hand-over slot is
+        free, and the committer is idle or a whole batch is queued (a smaller one taken
+        while it writes would go out as a small batch of its own)."""
+        return bool(self._queue) and self._handoff is None and (
+            not self._committing or self._queued_bytes - self._taken_bytes >= self.config.commit_bytes)
+
+    def _hand_over(self, batch: list[_Pending]) -> None:
+        """Prepare ``batch`` and leave it in the slot for the committer."""
+        try:
+            items = self._prepare(batch)
+        except Exception as exc:  # e.g. a failed device copy: the batch is lost, not the writer
+            self.counters.add(dropped_saves=len(batch), io_errors=1)
+            # the message only: the error's frames hold the batch's buffers
+            self._warn.warning("writer", "kvtier: preparing %d chunks for the disk failed (%s); they "
+                               "stay uncached", len(batch), str(exc))
+            self._release(batch)
+            return
+        with self._cv:
+            self._handoff = [batch, items]  # the slot was free when the batch was taken
+            self._cv.notify_all()
+
+    def _commit_loop(self) -> None:
+        """The committer thread: write and publish each prepared batch, in order."""
         while True:
             with self._cv:
-                while not self._queue and not self._touched and not self._closed:
+                while self._handoff is None and not self._writer_done:
                     self._cv.wait(1.0)
-                if self._closed and not self._queue:
+                if self._handoff is None:
                     return
-                batch = take_batch(self._queue, self.config.commit_bytes)
-                self._inflight = len(batch)
-                touched, self._touched = self._touched, {}
+                work, self._handoff = self._handoff, None
+                self._committing = True
+                self._cv.notify_all()  # the slot is free: the writer may prepare the next batch
             try:
-                if touched:  # first: the commit's eviction must see these recent uses
-                    self._apply_touches(touched)
-                self._commit(batch)
-            except Exception as exc:  # never let the writer die: count and carry on
+                self._commit(work[0], work[1])
+            except Exception as exc:  # never let the committer die: count and carry on
                 self.counters.add(io_errors=1)
-                self._warn.warning("writer", "kvtier: writer error: %s", exc)
+                self._warn.warning("writer", "kvtier: writer error: %s", str(exc))
             finally:
-                with self._cv:
-                    self._queued_bytes -= sum(p.nbytes for p in batch)
-                    for k in [p.key for p in batch]:
-                        self._pending.pop(k, None)
-                    # no reference to a committed chunk may outlive this (not even a loop
-                    # variable): its buffer goes back to the pool before flush() returns
-                    batch.clear()
-                    self._inflight = 0
-                    self._cv.notify_all()
+                self._release(work[0], committed=True)
+                work.clear()
+
+    def _release(self, batch: list[_Pending], *, committed: bool = False) -> None:
+        """A batch is done with (stored, dropped or failed): its chunks leave the queue."""
+        with self._cv:
+            nbytes = sum(p.nbytes for p in batch)
+            self._queued_bytes -= nbytes
+            self._taken_bytes -= nbytes
+            for k in [p.key for p in batch]:
+                self._pending.pop(k, None)
+            self._inflight -= len(batch)
+            # no reference to a committed chunk may outlive this (not even a loop variable):
+            # its buffer goes back to the pool before flush() returns
+            batch.clear()
+            if committed:
+                self._committing = False
+            self._cv.notify_all()
 
     def _apply_touches(self, touched: dict[bytes, int]) -> None:
         try:
@@ -249,13 +313,12 @@ class ChunkStore:
             self.counters.add(io_errors=1)
             self._warn.warning("touch", "kvtier: recording uses failed: %s", exc)
 
-    def _commit(self, batch: list[_Pending]) -> None:
-        if not batch:
-            return
+    def _prepare(self, batch: list[_Pending]) -> list[PutItem]:
+        """Encode ``batch`` as records (on the writer thread, never the model's)."""
         items = []
         for p in batch:
             if p.ready is not None:
-                p.ready()  # the device copy into it (on this thread: never on the model's)
+                p.ready()  # the device copy into it
             header, payload = codec.encode(
                 p.tensor, key=p.key, namespace_id=p.namespace_id, token_start=p.token_start,
                 num_tokens=p.num_tokens, compression=self.config.compression,
@@ -266,6 +329,10 @@ class ChunkStore:
             record = codec.record_in_place(p.tensor, header) if fresh and self.config.compression == "none" else None
             items.append(PutItem(p.key, header, payload, p.namespace_id, p.group, p.parent,
                                  p.token_start, p.num_tokens, p.head, record))
+        return items
+
+    def _commit(self, batch: list[_Pending], items: list[PutItem]) -> None:
+        """Write and publish a prepared batch (on the committer thread)."""
         if self.remote is not None:  # write-behind to the shared tier, from the same bytes
             for p, item in zip(batch, items, strict=True):
                 if not p.from_remote:
@@ -275,12 +342,14 @@ class ChunkStore:
         except Exception as exc:  # the index commit failed (disk full, I/O, ...)
             self.counters.add(dropped_saves=len(batch), io_errors=1)
             self._warn.warning("save", "kvtier: saving %d chunks failed (%s); they stay uncached",
-                               len(batch), exc)
+                               len(batch), str(exc))
             return
+        finally:
+            items.clear()
         if res.failed:
             self.counters.add(dropped_saves=len(res.failed), io_errors=1)
             self._warn.warning("save", "kvtier: %d of %d chunks could not be written (%s); they stay "
-                               "uncached", len(res.failed), len(batch), res.failed[0][1])
+                               "uncached", len(res.failed), len(batch), str(res.failed[0][1]))
         self.counters.add(saves_committed=len(res.stored), bytes_saved=sum(i.size for i in res.stored),
                           evicted_disk=len(res.evicted), evicted_disk_bytes=res.evicted_bytes)
 
@@ -638,14 +707,14 @@ class ChunkStore:
                 self._queue.clear()
             self._closed = True
             self._cv.notify_all()
-        threads = [self._writer, *getattr(self._loads, "_threads", ())]
+        threads = [self._writer, self._committer, *getattr(self._loads, "_threads", ())]
         self._loads.shutdown(wait=False, cancel_futures=True)
         for t in threads:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))
         if self.remote is not None:  # uploads what the local writer queued for it, then disconnects
             self.remote.close(max(0.0, deadline - time.monotonic()))
-        if not self.readonly and not self._writer.is_alive() and not self._inflight:
+        if not self.readonly and not self._committer.is_alive() and not self._inflight:
             try:  # a clean close: nothing of ours is left unpublished
                 self.backend.index.unregister_writer()
             except Exception as exc:
