@@ -231,14 +231,19 @@ class ChunkStore:
         try:
             while True:
                 with self._cv:
-                    while not (self._can_take() or self._touched or (self._closed and not self._queue)):
+                    # recent uses go to the index with a batch, or while the committer is
+                    # idle: not one index commit per load while a batch is being written
+                    while not (self._can_take() or (self._touched and not self._committing)
+                               or (self._closed and not self._queue)):
                         self._cv.wait(1.0)
                     if self._closed and not self._queue:
                         return
                     batch = take_batch(self._queue, self.config.commit_bytes) if self._can_take() else []
                     self._inflight += len(batch)
                     self._taken_bytes += sum(p.nbytes for p in batch)
-                    touched, self._touched = self._touched, {}
+                    touched: dict[bytes, int] = {}
+                    if batch or not self._committing:
+                        touched, self._touched = self._touched, {}
                 if touched:  # first: the next commit's eviction must see these recent uses
                     self._apply_touches(touched)
                 if batch:
