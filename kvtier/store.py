@@ -262,13 +262,16 @@ class ChunkStore:
 
     def _hand_over(self, batch: list[_Pending]) -> None:
         """Prepare ``batch`` and leave it in the slot for the committer."""
+        items: list[PutItem] | None = None
+        why = ""
         try:
             items = self._prepare(batch)
         except Exception as exc:  # e.g. a failed device copy: the batch is lost, not the writer
+            why = str(exc) or type(exc).__name__  # the message only: its frames hold the buffers
+        if items is None:  # released once the error (and the frames it holds) is gone
             self.counters.add(dropped_saves=len(batch), io_errors=1)
-            # the message only: the error's frames hold the batch's buffers
             self._warn.warning("writer", "kvtier: preparing %d chunks for the disk failed (%s); they "
-                               "stay uncached", len(batch), str(exc))
+                               "stay uncached", len(batch), why)
             self._release(batch)
             return
         with self._cv:
@@ -291,9 +294,10 @@ class ChunkStore:
             except Exception as exc:  # never let the committer die: count and carry on
                 self.counters.add(io_errors=1)
                 self._warn.warning("writer", "kvtier: writer error: %s", str(exc))
-            finally:
-                self._release(work[0], committed=True)
+            finally:  # nothing of the batch may outlive its release (flush() returns then)
+                batch = work[0]
                 work.clear()
+                self._release(batch, committed=True)
 
     def _release(self, batch: list[_Pending], *, committed: bool = False) -> None:
         """A batch is done with (stored, dropped or failed): its chunks leave the queue."""
@@ -339,9 +343,14 @@ class ChunkStore:
     def _commit(self, batch: list[_Pending], items: list[PutItem]) -> None:
         """Write and publish a prepared batch (on the committer thread)."""
         if self.remote is not None:  # write-behind to the shared tier, from the same bytes
-            for p, item in zip(batch, items, strict=True):
-                if not p.from_remote:
-                    self.remote.enqueue(item.key, item.header, item.payload)
+            try:
+                for p, item in zip(batch, items, strict=True):
+                    if not p.from_remote:
+                        self.remote.enqueue(item.key, item.header, item.payload)
+            except Exception as exc:  # the local write goes on
+                self.counters.add(io_errors=1)
+                self._warn.warning("remote", "kvtier: queueing chunks for the remote tier failed (%s); "
+                                   "they are stored locally only", str(exc))
         try:
             res = self.backend.put_many(items)
         except Exception as exc:  # the index commit failed (disk full, I/O, ...)

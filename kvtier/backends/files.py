@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import errno
 import io
+import itertools
 import mmap
 import os
 import stat
@@ -52,6 +53,7 @@ _ALIGN = 4096  # O_DIRECT offset/length/address alignment (logical block size, a
 _STAGE_BYTES = 8 << 20
 
 _FORK_ORPHANS: list[object] = []
+_TEMP_SEQ = itertools.count()
 
 
 class FilePayloads(PayloadStore):
@@ -196,7 +198,8 @@ class FilePayloads(PayloadStore):
         """Write ``it`` to a temp file: with O_DIRECT from ``record`` (the record in place,
         see ``_in_place``) or through a staging buffer from ``free``; buffered if the
         filesystem refuses O_DIRECT."""
-        tmp = str(self._tmp / f"{os.getpid()}-{threading.get_ident()}-{it.key.hex()[:16]}.tmp")
+        # unique within the process (its pid first: dead writers' temps are swept by it)
+        tmp = str(self._tmp / f"{os.getpid()}-{next(_TEMP_SEQ)}-{it.key.hex()[:16]}.tmp")
         try:
             if self._direct_write is not False:
                 if record is not None:
