@@ -163,7 +163,8 @@ def _config(p: Params, **kw: Any) -> Any:
     from kvtier import CacheConfig
 
     return CacheConfig(path=Path(p["dir"]), backend=p["backend"], chunk_tokens=p["chunk_tokens"],
-                       io_threads=p["io_threads"], **kw)
+                       io_threads=p["io_threads"], **({"commit_bytes": p["commit_bytes"]} if p.get("commit_bytes") else {}),
+                       **kw)
 
 
 def _source(p: Params) -> tuple[Any, Any]:
@@ -446,7 +447,7 @@ def collect(args: argparse.Namespace) -> Result:
     runner = Runner(args.verbose, args.timeout)
     base: Params = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                     "chunk_tokens": args.chunk_tokens, "n_chunks": args.chunks, "seed": 7,
-                    "io_threads": args.io_threads}
+                    "io_threads": args.io_threads, "commit_bytes": args.commit_mib * MIB}
     chunk_bytes = args.layers * 2 * args.chunk_tokens * args.kv_heads * args.head_dim * 2
     total = chunk_bytes * args.chunks
     have_lmcache = LMCACHE_PY.exists()
@@ -609,8 +610,8 @@ def render(res: Result) -> str:
     add("")
     add(f"Data: {pr['n_chunks']} chunks × {pr['chunk_bytes'] / MIB:.0f} MiB "
         f"({pr['chunk_tokens']} tokens × {pr['layers']} layers × 2 × {pr['kv_heads']} kv heads × "
-        f"{pr['head_dim']} head dim × bf16) = {pr['bytes'] / GIB:.2f} GiB of normal-distributed bf16. "
-        f"GiB/s = 2^30 B/s. {n} interleaved round(s): median" + (" (min–max)." if n > 1 else "."))
+        f"{pr['head_dim']} head dim × bf16) = {pr['bytes'] / GIB:.2f} GiB of normal-distributed bf16; "
+        f"kvtier commit_bytes {pr.get('commit_bytes', 256 * MIB) / MIB:.0f} MiB. GiB/s = 2^30 B/s. {n} interleaved round(s): median" + (" (min–max)." if n > 1 else "."))
     add("")
     refs = _raw_refs(res)
     lm_store = res["lmcache_store"].get("default")
@@ -802,6 +803,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--io-threads", type=int, default=4, help="kvtier io_threads, LMCache disk_io_threads, raw read streams")
+    ap.add_argument("--commit-mib", type=int, default=256,
+                    help="kvtier commit_bytes in MiB (the write queue holds every chunk, so the writer "
+                         "prepares the next batch while one is written whenever this is under half of it)")
     ap.add_argument("--backends", nargs="+", default=["lmdb", "files"], choices=["lmdb", "files"])
     ap.add_argument("--repeat", type=int, default=1,
                     help="interleaved rounds of the throughput part (median and range reported)")
