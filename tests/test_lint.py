@@ -3,8 +3,10 @@
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-from conftest import REPO
+# not ``from conftest import REPO``: another directory's conftest may hold that name
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_ruff_clean() -> None:
