@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks of kvtier's data path, in one command, on a machine with CUDA and torch
+# (vLLM is not needed): the CUDA tests, the worker's data-path benchmark, and the store
+# benchmark on that machine's disk at two batch sizes (with the writer pipeline's serial
+# baseline). Results go to $OUT (default ./gpu-results): 8 files at most (tests.txt, log.txt,
+# and a markdown report and its JSON per benchmark run).
+#
+#   scripts/gpu-wheels.sh          # first, where a package index is reachable
+#   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|all]   # default: all
+#
+# Each part takes a few minutes; run them as separate commands where one command's time
+# is limited.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part="${1:-all}"
+out="${OUT:-gpu-results}"
+mkdir -p "$out"
+python="${PYTHON:-python}"
+
+# kvtier's own dependencies, from the carried wheels where the machine lacks them
+if ! "$python" -c "import lmdb, zstandard, xxhash" 2>/dev/null; then
+  [[ -d .gpu-wheels ]] || { echo "lmdb/zstandard/xxhash missing and no .gpu-wheels/: run scripts/gpu-wheels.sh first" >&2; exit 2; }
+  "$python" -m pip install --quiet --no-index --find-links .gpu-wheels lmdb zstandard xxhash
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+log="$out/log.txt"  # the benchmarks' progress and errors
+"$python" - <<'PY' | tee "$log"
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__,
+      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+PY
+
+if [[ "$part" == tests || "$part" == all ]]; then
+  # tests/gpu skip without CUDA; the storage and CLI suites check the rest with CUDA visible
+  # a failure is reported, and the benchmarks still run
+  "$python" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$out/tests.txt" | tail -5 || true
+  "$python" -m pytest -q -p no:cacheprovider tests/storage -k "not dali" 2>&1 \
+    | tee -a "$out/tests.txt" | tail -3 || true
+fi
+if [[ "$part" == gpu || "$part" == all ]]; then
+  "$python" benchmarks/gpu_bench.py --dir "${TMPDIR:-/tmp}/kvtier-gpu-bench" --json "$out/gpu_bench.json" \
+    2>>"$log" | tee "$out/gpu_bench.md"
+fi
+if [[ "$part" == store || "$part" == all ]]; then
+  for mib in 256 128; do
+    # STORE_ARGS: extra flags, e.g. "--chunks 4" for a quick check of this script
+    # shellcheck disable=SC2086
+    "$python" benchmarks/storage_bench.py --backends files lmdb --skip-lookup --no-zstd --repeat 2 \
+      --commit-mib "$mib" --json "$out/storage_bench_$mib.json" ${STORE_ARGS:-} 2>>"$log" \
+      | tee "$out/storage_bench_$mib.md" | grep -E "^\| kvtier (files|lmdb)/power/(none|serial) |O_DIRECT. 32" || true
+  done
+fi
+echo "results in $out"
