@@ -162,9 +162,10 @@ def _namespace(p: Params) -> Any:
 def _config(p: Params, **kw: Any) -> Any:
     from kvtier import CacheConfig
 
+    if p.get("commit_bytes"):  # --commit-mib (the tests' workers leave it at the default)
+        kw.setdefault("commit_bytes", p["commit_bytes"])
     return CacheConfig(path=Path(p["dir"]), backend=p["backend"], chunk_tokens=p["chunk_tokens"],
-                       io_threads=p["io_threads"], **({"commit_bytes": p["commit_bytes"]} if p.get("commit_bytes") else {}),
-                       **kw)
+                       io_threads=p["io_threads"], **kw)
 
 
 def _source(p: Params) -> tuple[Any, Any]:
