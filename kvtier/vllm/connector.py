@@ -266,7 +266,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             orphan = self._get_connector_metadata()
             if isinstance(orphan, KVTierMetadata):
                 for spec in orphan.loads:
-                    self._orphan_loads.add(spec.req_id)
+                    # every block fails; only an asynchronous load's request is waiting to
+                    # be reported finished (vLLM asserts that of any it is told about)
+                    if not spec.sync:
+                        self._orphan_loads.add(spec.req_id)
                     for chunk in spec.chunks:
                         self._orphan_blocks.update(chunk.block_ids)
 

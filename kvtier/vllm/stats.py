@@ -23,6 +23,8 @@ PROM_COUNTERS = {
     "save_chunks": "Chunks handed to the write-behind store",
     "save_tokens": "Tokens whose KV was handed to the write-behind store",
     "save_dropped_chunks": "Chunks not saved because the write queue was full",
+    "save_unsafe_chunks": "Chunks not saved because a synchronous load failed in their step or the one "
+                          "before (their KV was computed over blocks the load did not fill)",
     "save_layers_after_forward": "Layers of saved chunks copied in wait_for_save, after the forward pass "
                                  "(a full CUDA graph ran no save_kv_layer hook)",
     "store_hits_host": "Chunk loads served from host memory",

@@ -14,7 +14,8 @@ and reports the request once its job is done and all its copies are (an event, p
 (``load_async: false``) read before the forward pass and scatter layer by layer:
 ``wait_for_layer_load`` makes the compute stream wait for its layer only. Blocks whose chunk
 was missing or corrupt are reported through ``get_block_ids_with_load_errors`` so vLLM
-recomputes them.
+recomputes them; a failed synchronous load also discards the saves of its step and the next
+(``UNSAFE_SAVE_STEPS``): they were computed over the blocks it did not fill.
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 log = logging.getLogger("kvtier")
 LOG_INTERVAL_S = 60.0
 LOAD_POLL_S = 0.002
+# Steps whose saves are discarded once a synchronous load failed: its own, whose forward pass
+# ran over blocks the load did not fill (vLLM rolls the request back only after the step),
+# and the next, which vLLM's async scheduling may have planned before it learned of the
+# failure. Their KV would pass every checksum and be loaded by every later request.
+UNSAFE_SAVE_STEPS = 2
 
 
 @dataclass
 class _Staged:
     spec: SaveSpec
-    buf: torch.Tensor | None  # None: nothing to copy (already stored, or no buffer free)
+    buf: torch.Tensor | None  # None: nothing to copy (already stored, no buffer free, unsafe)
     dropped: bool = False  # no buffer was free: the save is dropped (counted by the store)
+    unsafe: bool = False  # computed over a failed synchronous load: discarded
     idx: torch.Tensor | None = None  # its block ids on the device (this step's upload)
 
 
@@ -120,6 +127,7 @@ class WorkerSide:
         self._reporting: list[tuple[torch.cuda.Event | None, str, _LoadResult]] = []
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
         self._load_errors: set[int] = set()
+        self._unsafe_save_steps = 0  # see UNSAFE_SAVE_STEPS
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
         self.stats: dict[str, float] = {}  # only touched on the model's thread
         self._last_log = time.monotonic()
@@ -143,11 +151,13 @@ class WorkerSide:
         """Which of the step's chunks to copy (one index read for all of them), a pooled
         buffer for each, and their block ids uploaded to the device in one copy (call inside
         ``after_compute``)."""
-        stored = self.store.present_each([spec.keys[self.rank] for spec in meta.saves])
+        unsafe = self._unsafe_save_steps > 0  # nothing of this step is saved (UNSAFE_SAVE_STEPS)
+        stored = [False] * len(meta.saves) if unsafe else self.store.present_each(
+            [spec.keys[self.rank] for spec in meta.saves])
         staged = []
         for spec, there in zip(meta.saves, stored, strict=True):
-            if there:
-                staged.append(_Staged(spec, None))
+            if unsafe or there:
+                staged.append(_Staged(spec, None, unsafe=unsafe))
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
             buf = self.store.buffer(shape, self.dtype)
@@ -175,6 +185,12 @@ class WorkerSide:
         the chunks to the store (``wait_for_save``; never waits for a copy)."""
         self._layer_ready.clear()  # the forward pass has been enqueued: its waits are in
         self._release_landed()
+        try:
+            self._finish_saves(meta)
+        finally:  # the step is over (wait_for_save runs once per forward pass)
+            self._unsafe_save_steps = max(0, self._unsafe_save_steps - 1)
+
+    def _finish_saves(self, meta: KVTierMetadata | None) -> None:
         if self._staged is None and (meta is None or not meta.saves):
             return
         late = 0
@@ -221,7 +237,8 @@ class WorkerSide:
         ready = event.synchronize if event is not None else None  # the writer thread waits on it
         for s in staged:
             if s.buf is None:
-                self._bump(**{"save_dropped_chunks" if s.dropped else "save_skipped_chunks": 1})
+                outcome = "save_unsafe_chunks" if s.unsafe else "save_dropped_chunks" if s.dropped else "save_skipped_chunks"
+                self._bump(**{outcome: 1})
                 continue
             if not store:
                 self._bump(save_dropped_chunks=1)
@@ -256,6 +273,8 @@ class WorkerSide:
             for res in sync:  # a synchronous load's failures are reported in its own step
                 res.loaded = []  # (held until copied: _in_flight)
                 self._report(res)
+            if any(res.failed_blocks for res in sync):
+                self._unsafe_save_steps = UNSAFE_SAVE_STEPS
 
     def _read_sync(self, spec: LoadSpec) -> _LoadResult:
         """A synchronous load's read, on this thread: whenever as many chunks as an

@@ -76,11 +76,14 @@ def test_full_disk_keeps_serving_correctly(tiny_model: Path, tmp_path: Path,
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.parametrize("load_async", [True, False])
 def test_unknown_attention_backend_turns_worker_off_and_serves(
         tiny_model: Path, store_dir: Path, baseline: list[list[int]],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """If the worker cannot handle the KV layout, promised loads fail cleanly (recompute)."""
-    cfg = kv_transfer_config(store_dir)
+        monkeypatch: pytest.MonkeyPatch, load_async: bool) -> None:
+    """If the worker cannot handle the KV layout, promised loads fail cleanly (recompute),
+    synchronous ones too (a running request is never reported finished receiving: vLLM
+    asserts on that)."""
+    cfg = kv_transfer_config(store_dir, load_async=load_async)
     with Engine(tiny_model, cfg) as e:
         e.generate(P, max_tokens=10)
     import kvtier.vllm.connector as connector
@@ -130,3 +133,13 @@ def test_sync_load_mode_hits_and_survives_corruption(tiny_model: Path, store_dir
         corrupt = e.worker_connector._store.counters.snapshot()["corrupt_records"]
     assert [r.tokens for r in got] == baseline
     assert corrupt >= 2
+    # That step's forward pass ran over the blocks the failed load left unfilled, before vLLM
+    # rolled the requests back: what it computed must not have been saved. A save of it would
+    # pass every checksum and change the output of every later run.
+    with Engine(tiny_model, cfg) as e:
+        got = e.generate(P, max_tokens=10)
+    assert [r.tokens for r in got] == baseline
+    with Engine(tiny_model, cfg) as e:  # and the store healed: that run saved what it computed
+        got = e.generate(P, max_tokens=10)
+    assert [r.tokens for r in got] == baseline
+    assert [r.num_cached_tokens for r in got] == [(len(p) - 1) // 32 * 32 for p in P]
