@@ -273,12 +273,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     for chunk in spec.chunks:
                         self._orphan_blocks.update(chunk.block_ids)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # called at every step's start, before vLLM zeroes, copies or computes into blocks:
-        # where the compute stream waits for the last step's save copies
-        if self._worker is not None:
-            self._worker.begin_step()
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         # asynchronous loads: nothing to wait for (a request runs only after its load
         # finished); synchronous ones: the compute stream waits for this layer's copies

@@ -187,8 +187,22 @@ def scatter_blocks(view: LayerView, block_ids: torch.Tensor | Sequence[int], src
     plane = 0
     for v in view:
         n, p = v.shape[2], v.shape[1]
-        s = src.narrow(0, plane, p).narrow(1, 0, nb * n).reshape(p, nb, n, *src.shape[2:]).transpose(0, 1)
-        if s.device != v.device:
-            s = s.to(v.device, non_blocking=non_blocking)
-        v.index_copy_(0, idx, s)
+        part = src.narrow(0, plane, p).narrow(1, 0, nb * n)
+        if part.device != v.device:
+            part = _planes_to(part, v.device, non_blocking)
+        v.index_copy_(0, idx, part.reshape(p, nb, n, *src.shape[2:]).transpose(0, 1))
         plane += p
+
+
+def _planes_to(planes: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    """``planes`` ``[P, T, ...]`` copied to ``device``: in one copy if it is contiguous, else
+    one per plane. A chunk's planes are contiguous each, but a load that skips leading blocks
+    or stops short of the chunk's end leaves gaps between them, and a strided host tensor is
+    copied through a new pageable one, whose copy to a GPU waits for the stream (and the side
+    stream waits for the forward pass): the model's thread would block once per layer."""
+    if planes.is_contiguous():
+        return planes.to(device, non_blocking=non_blocking)
+    out = torch.empty(planes.shape, dtype=planes.dtype, device=device)
+    for k in range(planes.shape[0]):
+        out[k].copy_(planes[k], non_blocking=non_blocking)
+    return out

@@ -117,11 +117,6 @@ class WorkerSide:
         # scatters): kept until their event is done, so the pool does not reuse them under
         # a copy (a buffer the store let go of, a loaded chunk already copied)
         self._in_flight: list[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = []
-        # where the compute stream waits for a step's gathers: at the next step's start
-        # (``begin_step``, before vLLM zeroes or copies blocks) once vLLM is seen calling it,
-        # else right after the forward pass (``wait_for_save``)
-        self._fence_at_step_start = False
-        self._save_fence: torch.cuda.Event | None = None
         self._loads: dict[str, _LoadJob] = {}
         # finished asynchronous loads, reported once the event after their last copy is done
         self._reporting: list[tuple[torch.cuda.Event | None, str, _LoadResult]] = []
@@ -209,25 +204,15 @@ class WorkerSide:
             self._bump(save_layers_after_forward=late)
         self._end_saves(store=True)
 
-    def begin_step(self) -> None:
-        """A step starts (vLLM's ``handle_preemptions``, before it zeroes, copies or computes
-        into any block): the compute stream waits, on the device, for the last step's gathers,
-        which read blocks this step may reuse. Waiting here rather than after the forward
-        pass lets them run beside the sampler."""
-        self._fence_at_step_start = True
-        fence, self._save_fence = self._save_fence, None
-        self.copies.compute_waits_for(fence)
-
     def _end_saves(self, *, store: bool) -> None:
         staged, self._staged = self._staged or [], None
         event = self.copies.record()
         # the gathers read blocks vLLM may hand out again from the next step on: later work on
-        # the compute stream waits for them (on the device; this thread does not). One event
-        # stands for all earlier ones: they are on the same stream.
-        if self._fence_at_step_start:
-            self._save_fence = event
-        else:
-            self.copies.compute_waits_for(event)
+        # the compute stream waits for them (on the device; this thread does not), from right
+        # after this forward pass. Not later: vLLM's model runner V2 zeroes and copies blocks
+        # for the next step before it calls the connector's first hook (handle_preemptions).
+        # One event stands for all earlier ones: they are on the same stream.
+        self.copies.compute_waits_for(event)
         if self._staged_index is not None:
             self._save_index.hold(self._staged_index, event)
             self._staged_index = None

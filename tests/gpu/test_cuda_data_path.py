@@ -110,4 +110,15 @@ def test_cuda_the_model_thread_never_waits_for_copies(tmp_path: Path) -> None:
         assert not worker.take_load_errors()
         got = [c[torch.tensor(dest, device="cuda")].cpu() for c in caches.values()]  # after the layer waits
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        # A load that skips the blocks vLLM already holds and stops short of the chunk's end
+        # (its prompt's last token is computed, not loaded): each plane's rows are copied from
+        # the pinned buffer as they are, never through a pageable copy that waits.
+        dest = list(range(2 * per_chunk, 3 * per_chunk))
+        skip, take = 3, per_chunk - 5
+        _busy_compute()
+        load_sync(worker, [LoadSpec("l2", [ChunkLoad((key,), 0, g.chunk_tokens, skip, dest[skip:take])], sync=True)])
+        assert not torch.cuda.current_stream().query()
+        assert not worker.take_load_errors()
+        got = [c[torch.tensor(dest[skip:take], device="cuda")].cpu() for c in caches.values()]
+        assert all(torch.equal(a, b[skip:take]) for a, b in zip(got, want, strict=True))
         worker.close()

@@ -39,14 +39,6 @@ def test_stats_reach_vllm(tiny_model: Path, store_dir: Path, monkeypatch: pytest
         return out
 
     monkeypatch.setattr(WorkerSide, "take_stats", recording)
-    steps: list[bool] = []
-    begin = WorkerSide.begin_step
-
-    def counting(self: WorkerSide) -> None:  # vLLM's handle_preemptions, at each step's start
-        steps.append(True)
-        begin(self)
-
-    monkeypatch.setattr(WorkerSide, "begin_step", counting)
     p = tokens(600, seed=200)
     for _ in range(2):
         with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
@@ -59,8 +51,6 @@ def test_stats_reach_vllm(tiny_model: Path, store_dir: Path, monkeypatch: pytest
     assert summary["load_tokens"] == 576  # the second run loaded the prefix
     assert summary["store_hits_disk"] >= 3
     assert summary["load_requests"] == 1
-    # the save copies' fence goes where vLLM starts a step: it does call us there
-    assert len(steps) >= 6  # 2 runs x (prefill + 2 decode steps) at least
     assert "save_layers_after_forward" not in summary  # no CUDA graphs here: every hook ran
 
 

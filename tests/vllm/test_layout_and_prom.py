@@ -11,6 +11,7 @@ import torch
 from kvtier.vllm.layout import (
     CONTENT_LAYOUTS,
     UnsupportedLayout,
+    _planes_to,
     blocks_view,
     gather_blocks,
     scatter_blocks,
@@ -46,6 +47,17 @@ def test_blocks_round_trip_through_the_canonical_layout(content: str) -> None:
     scatter_blocks(blocks_view(restored, content, D), [4, 1], out)
     assert torch.equal(restored[4], kv[4]) and torch.equal(restored[1], kv[1])
     assert not restored[[0, 2, 3, 5]].any()  # no other block touched
+
+
+def test_a_partial_chunk_goes_to_the_device_plane_by_plane() -> None:
+    """A load that skips leading blocks leaves gaps between the K and V planes of the source:
+    it is copied one contiguous plane at a time (on a GPU, each straight from the pinned
+    buffer; tests/gpu checks the host does not wait), and lands whole."""
+    chunk = torch.randn(2, 4 * N, H, D)  # a pooled chunk's [k/v, tokens, heads, dim]
+    part = chunk.narrow(1, N, 2 * N)  # skip one block, stop one short
+    assert not part.is_contiguous() and all(part[k].is_contiguous() for k in range(2))
+    moved = _planes_to(part, torch.device("cpu"), non_blocking=False)
+    assert moved.is_contiguous() and torch.equal(moved, part)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
