@@ -458,9 +458,11 @@ class ChunkStore:
         return self._load_from_backend(key, out, out_is_scratch)
 
     def _load_from_backend(self, key: bytes, out: torch.Tensor | None, out_is_scratch: bool,
-                           record: memoryview | None = None) -> Loaded:
-        """Load from the persistent tier; ``record``: its bytes, already read by a bulk
-        reader (the DALI prefetch), verified here like any read."""
+                           record: tuple[EntryInfo, memoryview] | None = None) -> Loaded:
+        """Load from the persistent tier; ``record``: an entry listed earlier and its bytes,
+        already read by a bulk reader (the DALI prefetch), verified here like any read. Those
+        bytes are that entry's version: a corrupt one removes that version only, never one
+        written since (valid bytes are a hit: a key's content is the same in every version)."""
         def decode(reader: codec.RecordReader) -> torch.Tensor:
             return codec.decode_from(reader, expect_key=key, out=out, alloc=self._load_buffer,
                                      max_record_bytes=self.config.max_record_bytes,
@@ -468,15 +470,14 @@ class ChunkStore:
 
         entry: EntryInfo | None = None
         try:
-            entry = self.backend.lookup(key)
-            if entry is None:
-                t = None
-            elif record is not None:
-                if len(record) > self.config.max_record_bytes:
-                    raise oversized(record, len(record), int(self.config.max_record_bytes))
-                t = decode(ViewReader(record))
+            if record is not None:
+                entry, data = record
+                if len(data) > self.config.max_record_bytes:
+                    raise oversized(data, len(data), int(self.config.max_record_bytes))
+                t = decode(ViewReader(data))
             else:
-                t = self.backend.read_record(entry, decode)
+                entry = self.backend.lookup(key)
+                t = None if entry is None else self.backend.read_record(entry, decode)
         except (IncompatibleRecord, DestinationMismatch) as exc:  # intact: kept
             return self._failed(Outcome.INCOMPATIBLE, key, exc)
         except RecordTooLarge as exc:
@@ -666,7 +667,7 @@ class ChunkStore:
                 if data is None:
                     self.counters.add(misses=1)  # evicted meanwhile
                 else:
-                    loaded += self._load_from_backend(chosen[i].key, None, False, data).outcome is Outcome.HIT
+                    loaded += self._load_from_backend(chosen[i].key, None, False, (chosen[i], data)).outcome is Outcome.HIT
             return loaded
 
         # its own thread, not the I/O pool: load_many spreads the reads over that pool

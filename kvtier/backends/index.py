@@ -334,6 +334,8 @@ class StoreIndex:
                                 (up.key if up is not None else e.key))
                 old = self._get(txn, e.key)
                 if old is not None:
+                    if old.lease_until_ns > e.lease_until_ns:  # a load was promised this key
+                        e = replace(e, lease_until_ns=old.lease_until_ns)
                     self._drop(txn, old, tot)
                     if old.location != e.location:
                         replaced.append(old)

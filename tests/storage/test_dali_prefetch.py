@@ -50,6 +50,42 @@ def test_a_corrupt_record_read_by_dali_is_counted_and_removed(tmp_path: Path) ->
     assert not victim.exists()
 
 
+def test_a_corrupt_version_read_by_dali_never_removes_a_newer_one(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """DALI reads the records listed before it started; if another server saves a chunk
+    again meanwhile (a new version, elsewhere), a corrupt old version removes itself only."""
+    import kvtier.dali_reader as dali_reader
+
+    _fill(tmp_path / "s")
+    ns = namespace()
+    with open_cache(tmp_path / "s", "files") as cache:
+        c, seq = next((c, s) for s in SEQS for c in cache.chunks(s))
+    with ChunkStore(config(tmp_path / "s", "files", host_bytes="64M")) as store:
+        old = store.backend.lookup(c.key)
+        victim = store.backend.payloads.path_of(c.key, old.location)
+        data = bytearray(victim.read_bytes())
+        data[-100] ^= 0x3C
+        victim.write_bytes(bytes(data))
+        real = dali_reader.read_files
+
+        def read_then_resave(paths: list[str], threads: int):  # noqa: ANN202 - a generator
+            for i, got in real(paths, threads=threads):
+                if paths[i] == str(victim):  # read; now the chunk is saved again
+                    store.host.clear()
+                    store.put(c.key, make_kv(seq[c.start:c.end], start=c.start), namespace_id=ns.id,
+                              token_start=c.start, num_tokens=c.end - c.start)
+                    assert store.flush(30)
+                    assert store.backend.lookup(c.key).location != old.location
+                yield i, got
+
+        monkeypatch.setattr(dali_reader, "read_files", read_then_resave)
+        assert store.prefetch_recent(ns.id, 1 << 30, "dali").result(60) == 11
+        assert store.counters.snapshot()["corrupt_records"] == 1
+        store.host.clear()
+        got = store.load(c.key).tensor  # the new version is still there, intact
+        assert got is not None and same_bits(got, make_kv(seq[c.start:c.end], start=c.start))
+
+
 def test_dali_prefetch_needs_the_files_backend_and_says_so(tmp_path: Path) -> None:
     _fill(tmp_path / "s", "lmdb")
     with ChunkStore(config(tmp_path / "s", "lmdb")) as store, pytest.raises(ConfigError, match="backend 'files'"):

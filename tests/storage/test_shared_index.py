@@ -403,3 +403,26 @@ def test_a_prompt_is_looked_up_in_chain_order(tmp_path: Path, backend: str) -> N
             assert view.count_present_chain(keys[0], spans) == 5 == b.count_present_prefix(keys)
         finally:
             view.close()
+
+
+def test_a_lease_survives_the_key_being_published_again(tmp_path: Path, backend: str) -> None:
+    """Two servers that both found a chunk absent both save it; a scheduler that promised the
+    first copy to a load between the two publishes keeps its promise: the second keeps the
+    lease, so eviction does not take the chunk from under the load."""
+    with open_cache(tmp_path / "s", backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        keys = [c.key for c in cache.chunks(TOKS)]
+        b = cache.store.backend
+        b.lease(keys[-1:], 60.0)  # a scheduler promised the chain to a load
+        old = b.lookup(keys[-1])
+        cache.store.host.clear()
+        tensor = cache.store.load(keys[-1]).tensor
+        header, payload = codec.encode(tensor, key=keys[-1], namespace_id=old.namespace_id,
+                                       token_start=old.token_start, num_tokens=old.num_tokens)
+        item = PutItem(keys[-1], header, payload, old.namespace_id, group=old.group, parent=old.parent,
+                       head=old.head, token_start=old.token_start, num_tokens=old.num_tokens)
+        b.put_many([item])  # the second server's copy of the same chunk
+        assert b.lookup(keys[-1]).location != old.location
+        assert b.evict_lru(0)[0] == 0  # the leased chain (all of it) is kept
+        assert b.count_present_prefix(keys) == 6
