@@ -41,6 +41,7 @@ from kvtier.config import CacheConfig
 
 T = TypeVar("T")
 log = logging.getLogger("kvtier")
+_MAX_UNREMOVED = 4096  # payloads kept for another removal try (beyond that, the oldest are left)
 
 # Evict down to this fraction of the disk budget, so eviction runs in batches, not per save.
 EVICT_LOW_WATERMARK = 0.9
@@ -92,6 +93,8 @@ class Backend:
         self.payloads = payloads
         self._write_lock = threading.Lock()
         self.evicted_for_space = 0  # records evicted because the filesystem was full
+        self._unremoved: list[EntryInfo] = []  # see _remove_payloads
+        self._unremoved_lock = threading.Lock()
         _LIVE_BACKENDS.add(self)
 
     # -- writes ----------------------------------------------------------------------------
@@ -117,9 +120,9 @@ class Backend:
             try:
                 done = self.index.publish(new, int(self.config.disk_bytes), EVICT_LOW_WATERMARK)
             except Exception as exc:
-                self.payloads.delete(new)  # never published: nobody can see them
+                self._remove_payloads(new)  # never published: nobody can see them
                 raise OSError(f"index commit failed: {exc}") from exc
-            self.payloads.delete(done.replaced + done.evicted)
+            self._remove_payloads(done.replaced + done.evicted)
         return PutResult([it for it, _ in ok], failed, room + done.evicted)
 
     def _make_room_on_disk(self, need: int) -> list[EntryInfo]:
@@ -135,9 +138,24 @@ class Backend:
         if short <= 0 or short > occupied:
             return []  # room enough, or the disk is full of other data: evicting would not help
         gone = self.index.evict(occupied - short)
-        self.payloads.delete(gone)
+        self._remove_payloads(gone)
         self.evicted_for_space += len(gone)
         return gone
+
+    def _remove_payloads(self, entries: list[EntryInfo]) -> None:
+        """Remove the payloads of entries the index no longer names. One an I/O error keeps
+        (a full disk, for LMDB) is tried again with the next removal: nothing names it, so
+        nothing else would ever free its space (the orphan sweep runs only after a crash)."""
+        with self._unremoved_lock:
+            entries, self._unremoved = self._unremoved + entries, []
+        if not entries:
+            return
+        kept = self.payloads.delete(entries)
+        if kept:
+            with self._unremoved_lock:
+                self._unremoved = (self._unremoved + kept)[-_MAX_UNREMOVED:]
+            log.warning("kvtier: %s: could not remove %d payload(s) the index no longer names; "
+                        "trying again with the next removal", self.root, len(kept))
 
     def budget(self) -> int:
         """The store's disk budget: the one the store records (every writer shares it)."""
@@ -158,20 +176,20 @@ class Backend:
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove records; return the record bytes freed."""
         gone = self.index.remove(list(keys))
-        self.payloads.delete(gone)
+        self._remove_payloads(gone)
         return sum(e.size for e in gone)
 
     def delete_entry(self, entry: EntryInfo) -> bool:
         """Remove exactly this version of a record (a newer one written meanwhile stays)."""
         gone = self.index.remove([entry.key], [entry.location])
-        self.payloads.delete(gone)
+        self._remove_payloads(gone)
         return bool(gone)
 
     def evict_lru(self, target_bytes: int) -> tuple[int, int]:
         """Evict (chain- and rank-aware, leases respected) until at most ``target_bytes``
         are occupied. Returns ``(records, record bytes)`` removed."""
         gone = self.index.evict(target_bytes)
-        self.payloads.delete(gone)
+        self._remove_payloads(gone)
         return len(gone), sum(e.size for e in gone)
 
     def sweep_orphans(self, grace_s: float = ORPHAN_GRACE_S) -> int:
@@ -259,6 +277,7 @@ class Backend:
 
     def after_fork_in_child(self) -> None:
         self._write_lock = threading.Lock()
+        self._unremoved_lock = threading.Lock()
         self.payloads.after_fork_in_child()
 
     def close(self) -> None:

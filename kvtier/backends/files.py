@@ -298,10 +298,16 @@ class FilePayloads(PayloadStore):
             finally:
                 os.close(fd)
 
-    def delete(self, entries: list[EntryInfo]) -> None:
+    def delete(self, entries: list[EntryInfo]) -> list[EntryInfo]:
+        kept = []
         for e in entries:
-            with contextlib.suppress(OSError):
-                _unlink_quiet(self._inside(e.key, e.location))
+            try:
+                os.unlink(self._inside(e.key, e.location))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                kept.append(e)
+        return kept
 
     # -- reads ---------------------------------------------------------------------------
     def read(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:

@@ -151,9 +151,14 @@ class LmdbPayloads(PayloadStore):
                     value = staging[: it.size]
                 txn.put(_dbkey(it.key, loc), value, db=self._records)
 
-    def delete(self, entries: list[EntryInfo]) -> None:
-        if entries and not self.env.readonly:
+    def delete(self, entries: list[EntryInfo]) -> list[EntryInfo]:
+        if not entries or self.env.readonly:
+            return []
+        try:
             self._remove([(e.key, e.location) for e in entries])
+        except lmdb.Error:  # (e.g. a full disk: LMDB needs free pages to commit a removal)
+            return list(entries)
+        return []
 
     def read(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
         # buffers=True: a zero-copy view into the map, valid until the transaction ends (a

@@ -70,8 +70,9 @@ class PayloadStore(abc.ABC):
         """The record's first ``n`` bytes and its length; None if gone."""
 
     @abc.abstractmethod
-    def delete(self, entries: list[EntryInfo]) -> None:
-        """Remove payloads the index no longer names."""
+    def delete(self, entries: list[EntryInfo]) -> list[EntryInfo]:
+        """Remove payloads the index no longer names (one already gone counts as removed);
+        return those an I/O error kept. Never raises: the index commit that hid them is done."""
 
     @abc.abstractmethod
     def found(self) -> Iterator[tuple[bytes, int]]:

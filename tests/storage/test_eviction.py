@@ -130,3 +130,56 @@ def test_full_write_queue_drops_saves_without_blocking(tmp_path: Path, backend: 
         assert on_disk == [1] * 4 + [0] * 8
         assert cache.lookup(toks) == 0
         assert cache.stats()["saves_committed"] == 4
+
+
+def test_payloads_a_removal_could_not_free_are_freed_by_the_next(tmp_path: Path, backend: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evicted records' bytes are removed after the index commit that hid them. If that
+    removal fails (a full disk: LMDB needs free pages to commit it), the batch is still
+    stored and counted so, and the bytes are freed by the next removal that works: nothing
+    else names them (the orphan sweep runs only after a writer died)."""
+    import errno
+    import os
+
+    import lmdb
+
+    from kvtier.backends import files as files_backend
+    from kvtier.backends.lmdb import LmdbPayloads
+
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        occupied = cache.store.backend.payloads.occupied(RECORD)
+    with open_cache(store, backend, disk_bytes=int(10.5 * occupied)) as cache:
+        b = cache.store.backend
+
+        def stored_payloads() -> int:
+            return sum(1 for _ in b.payloads.found())
+
+        for i in range(10):
+            cache.save(_seq("A", i), make_kv(_seq("A", i)))
+        assert cache.flush(30)
+        real_unlink = os.unlink
+
+        def full_disk_unlink(path: str, *a: object, **kw: object) -> None:
+            if str(path).endswith(".kvt"):
+                raise OSError(errno.EIO, "Input/output error", path)
+            real_unlink(path, *a, **kw)
+
+        def full_disk_remove(self: LmdbPayloads, records: list) -> None:
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+
+        with monkeypatch.context() as m:
+            if backend == "files":
+                m.setattr(files_backend.os, "unlink", full_disk_unlink)
+            else:
+                m.setattr(LmdbPayloads, "_remove", full_disk_remove)
+            for i in range(5):
+                cache.save(_seq("B", i), make_kv(_seq("B", i)))
+            assert cache.flush(30)
+            stats = cache.store.counters.snapshot()
+            assert stats["saves_committed"] == 15 and stats["dropped_saves"] == 0 and stats["io_errors"] == 0
+            assert all(cache.lookup(_seq("B", i)) == CHUNK for i in range(5))
+            assert stored_payloads() > b.usage()[0]  # evicted, not yet removed
+        cache.save(_seq("B", 5), make_kv(_seq("B", 5)))  # the disk has room again
+        assert cache.flush(30)
+        assert stored_payloads() == b.usage()[0]
