@@ -56,7 +56,8 @@ _TOTALS = struct.Struct("<QQQ")  # records, record bytes, occupied bytes
 _BE64 = struct.Struct(">Q")
 _TOTALS_KEY = b"totals"
 _SETTINGS_KEY = b"settings"
-NO_KEY = b"\0" * 32
+_KEY_BYTES = 32  # every chunk key (SHA-256)
+NO_KEY = b"\0" * _KEY_BYTES
 # Scan the LRU order this many entries at a time while evicting.
 _EVICT_SCAN = 256
 INDEX_DIR = "index"
@@ -222,6 +223,8 @@ class StoreIndex:
             return self._get(txn, key)
 
     def _get(self, txn: lmdb.Transaction, key: bytes) -> EntryInfo | None:
+        if len(key) != _KEY_BYTES:  # a damaged row's key (LMDB refuses an empty one outright)
+            return None
         raw = txn.get(key, db=self._entries)
         if raw is None or len(raw) != _ENTRY.size:
             return None  # absent, or a damaged entry: nothing can be loaded through it
@@ -463,7 +466,8 @@ class StoreIndex:
                 if e is None or e.lru_key != lk:
                     if e is None:  # names no usable entry (damaged): drop the order's row
                         txn.delete(lk, db=self._lru)
-                        txn.delete(lk[8:], db=self._entries)
+                        if len(lk) > 8:
+                            txn.delete(lk[8:], db=self._entries)
                     continue  # gone with an earlier victim's relatives, or restamped
                 group = self._related(txn, e.key)
                 if any(m.lease_until_ns > now for m in group):

@@ -252,6 +252,35 @@ def test_damaged_index_entries_never_serve_wrong_kv(tmp_path: Path, backend: str
     record(f"fuzz/index/{backend}", mutations=tried, wrong_kv_served=0, exceptions=0)
 
 
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_index_rows_with_keys_of_the_wrong_length_are_passed_over(tmp_path: Path, backend: str) -> None:
+    """A damaged order row whose key is cut short (LMDB refuses an empty key outright) and
+    damaged relatives of the wrong length: eviction drops or skips them, saves keep landing."""
+    store = tmp_path / "s"
+    _fill(store, backend)
+    env = lmdb.open(str(store / "index"), max_dbs=8, subdir=True, map_size=64 << 30)
+    try:
+        with env.begin(write=True) as txn:
+            lru = env.open_db(b"lru", txn=txn)
+            for short in (b"\0" * 8, b"\0" * 3):
+                txn.put(short, b"", db=lru)
+            first = bytes(next(iter(txn.cursor(db=env.open_db(b"entries", txn=txn)).iternext(values=False))))
+            for name in (b"children", b"groups"):
+                txn.put(first, b"\1", db=env.open_db(name, txn=txn, dupsort=True))
+    finally:
+        env.close()
+    with open_cache(store, backend, disk_bytes="400K") as cache:
+        for i in range(100, 140):
+            toks = seq_tokens(i)
+            cache.save(toks, make_kv(toks))
+        assert cache.flush(60)
+        st = cache.stats()
+        assert st["dropped_saves"] == 0 and st["io_errors"] == 0, st
+        assert st["saves_committed"] > 0 and st["evicted_disk"] > 0, st
+    wrong, _ = _check_all(store, backend)
+    assert wrong == 0
+
+
 def test_damaged_marker_and_settings(tmp_path: Path) -> None:
     """A damaged marker is refused with a clear message (no traceback); damaged or absurd
     stored settings are ignored with a warning, and the store keeps working."""
