@@ -7,6 +7,12 @@ Layout (little-endian)::
     | raw_len u64 | payload_len u64 | key 32B | namespace_id 16B | payload_xxh3_128 16B
     | dims u64 * ndim | header_xxh3_64 u64 | payload
 
+Every format version keeps the first three fields where they are and ends its header with
+the header's own checksum, so a record of another version whose header is intact is told
+apart from a damaged one (incompatible, kept) before anything else of it is read. A new
+codec, dtype or layout code needs a new format version: an unknown code in a header of this
+version is damage (or a crafted header), and is treated as such.
+
 Decoding trusts nothing it has not checked: the header has its own checksum, lengths and
 the shape are cross-checked before anything is allocated, and the payload checksum is
 verified before a byte reaches the caller. No pickle, no torch.load: data cannot run code.
@@ -183,13 +189,15 @@ def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30,
      created_ns, raw_len, payload_len, key, ns_id, checksum) = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise RecordError("bad magic: not a kvtier record")
-    if header_len != header_bytes(ndim) or ndim > MAX_NDIM or len(mv) < header_len:
-        raise RecordError(f"bad header length {header_len} for {ndim} dimensions")
+    if not _FIXED.size + 8 <= header_len <= len(mv):
+        raise RecordError(f"bad header length {header_len}")
     (stored_hsum,) = _U64.unpack_from(mv, header_len - 8)
     if xxhash.xxh3_64_intdigest(mv[: header_len - 8]) != stored_hsum:
         raise RecordError("header checksum mismatch")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION:  # intact (its checksum holds), in a layout of its own
         raise IncompatibleRecord(f"record format version {version}, this kvtier reads {FORMAT_VERSION}")
+    if header_len != header_bytes(ndim) or ndim > MAX_NDIM:
+        raise RecordError(f"bad header length {header_len} for {ndim} dimensions")
     if codec not in CODEC_NAMES or dtype_code not in DTYPE_INFO or layout_code not in LAYOUTS:
         raise RecordError("unknown codec, dtype or layout code")
     shape = tuple(_U64.unpack_from(mv, _FIXED.size + 8 * i)[0] for i in range(ndim))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 import zstandard
-from kvhelpers import craft, header_fields, peak_alloc, same_bits
+from kvhelpers import FIELDS, craft, header_fields, peak_alloc, same_bits
 
 from kvtier import codec
 from kvtier.errors import DestinationMismatch, IncompatibleRecord, RecordError
@@ -168,6 +168,20 @@ def test_other_format_version_is_incompatible_not_corrupt() -> None:
     for version in (FORMAT_VERSION + 1, 0, 0xFFFF):
         with pytest.raises(IncompatibleRecord, match="format version"):
             codec.decode(craft(rec, format_version=version))
+    # a later version with a longer header of its own (kept: its checksum, at its end, holds);
+    # a damaged one is still corrupt
+    f = header_fields(rec)
+    hl = f["header_len"]
+    f.update(format_version=FORMAT_VERSION + 1, header_len=hl + 16)
+    head = codec._FIXED.pack(*(f[n] for n in FIELDS)) + rec[codec._FIXED.size : hl - 8] + b"\7" * 16
+    future = head + codec._U64.pack(xxhash.xxh3_64_intdigest(head)) + rec[hl:]
+    with pytest.raises(IncompatibleRecord, match="format version"):
+        codec.decode(future)
+    damaged = bytearray(future)
+    damaged[hl + 4] ^= 0x10  # in the later version's own header fields
+    with pytest.raises(RecordError) as exc:
+        codec.decode(bytes(damaged))
+    assert not isinstance(exc.value, IncompatibleRecord)
 
 
 def test_wrong_key_and_wrong_destination_are_rejected() -> None:
