@@ -376,11 +376,11 @@ class ChunkStore:
             self._warn.warning("sweep", "kvtier: registering as a writer failed: %s", exc)
             return
         if dead:
-            self._loads.submit(self._sweep_orphans)
+            self._loads.submit(self._sweep_orphans, set(dead))
 
-    def _sweep_orphans(self) -> None:
+    def _sweep_orphans(self, gone_writers: set[int]) -> None:
         try:
-            self.counters.add(orphans_removed=self.backend.sweep_orphans())
+            self.counters.add(orphans_removed=self.backend.sweep_orphans(gone_writers=gone_writers))
         except Exception as exc:  # housekeeping: never fatal
             self._warn.warning("sweep", "kvtier: orphan sweep failed: %s", exc)
 

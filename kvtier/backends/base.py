@@ -27,6 +27,7 @@ import lmdb
 from kvtier import forksafe
 from kvtier.backends.index import (
     NO_KEY,
+    ORPHAN_GRACE_S,
     EntryInfo,
     StoreIndex,
     budget_of,
@@ -48,9 +49,6 @@ EVICT_LOW_WATERMARK = 0.9
 # Free space kept on the store's filesystem (beyond the batch being written): room for the
 # index's own commits, which a removal needs too.
 DISK_RESERVE = 1 << 20
-# A payload nobody names is an orphan only once it is older than this: a writer between its
-# payload write and its index commit must not lose the payload.
-ORPHAN_GRACE_S = 600.0
 
 __all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "most_recent", "EVICT_LOW_WATERMARK"]
 
@@ -192,11 +190,13 @@ class Backend:
         self._remove_payloads(gone)
         return len(gone), sum(e.size for e in gone)
 
-    def sweep_orphans(self, grace_s: float = ORPHAN_GRACE_S) -> int:
+    def sweep_orphans(self, grace_s: float = ORPHAN_GRACE_S, gone_writers: set[int] | None = None) -> int:
         """Remove payloads no index entry names (a writer killed between its payload write
-        and its commit, or between a commit and the removal); how many went."""
+        and its commit, or between a commit and the removal): those older than ``grace_s``,
+        and at once those of ``gone_writers`` (pids of this host's writers found dead); how
+        many went."""
         n = 0
-        for key, loc in list(iter_unreferenced(self.index, self.payloads.found(), grace_s)):
+        for key, loc in list(iter_unreferenced(self.index, self.payloads.found(), grace_s, gone_writers)):
             self.payloads.remove_found(key, loc)
             n += 1
         return n

@@ -31,6 +31,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import TypeVar
 import numpy as np
 
 from kvtier.anon_memory import anonymous_map
-from kvtier.backends.index import EntryInfo, pid_alive
+from kvtier.backends.index import ORPHAN_GRACE_S, EntryInfo, pid_alive, pid_scope
 from kvtier.backends.payloads import PayloadStore, PutItem, ThreadBuffer, oversized
 from kvtier.codec import MAX_HEADER_BYTES, RecordReader
 from kvtier.errors import RecordError
@@ -54,6 +55,7 @@ _STAGE_BYTES = 8 << 20
 
 _FORK_ORPHANS: list[object] = []
 _TEMP_SEQ = itertools.count()
+_TEMP_SCOPE = pid_scope().hex()  # temp names: <pid scope>-<pid>-<seq>-<key prefix>.tmp
 
 
 class FilePayloads(PayloadStore):
@@ -129,12 +131,21 @@ class FilePayloads(PayloadStore):
             _unlink_quiet(self._inside(key, location))
 
     def _remove_dead_temps(self) -> None:
-        """Delete temp files of writers that no longer run (a killed writer's leftovers)."""
+        """Delete temp files of writers that no longer run (a killed writer's leftovers): of
+        this pid scope, once their pid is gone; of another (a container sharing the store,
+        whose pids mean nothing here), once older than the orphan grace period."""
+        scope = pid_scope().hex()
         for f in os.scandir(self._tmp):
-            pid = f.name.split("-", 1)[0]
-            if pid.isdigit() and not pid_alive(int(pid)):
-                with contextlib.suppress(FileNotFoundError):
+            parts = f.name.split("-", 2)
+            try:
+                if len(parts) == 3 and parts[0] == scope and parts[1].isdigit():
+                    gone = not pid_alive(int(parts[1]))
+                else:
+                    gone = time.time() - f.stat().st_mtime > ORPHAN_GRACE_S
+                if gone:
                     os.unlink(f.path)
+            except FileNotFoundError:
+                pass
 
     # -- writes --------------------------------------------------------------------------
     def write_many(self, items: list[PutItem], locations: list[int]) -> list[BaseException | None]:
@@ -199,7 +210,7 @@ class FilePayloads(PayloadStore):
         see ``_in_place``) or through a staging buffer from ``free``; buffered if the
         filesystem refuses O_DIRECT."""
         # unique within the process (its pid first: dead writers' temps are swept by it)
-        tmp = str(self._tmp / f"{os.getpid()}-{next(_TEMP_SEQ)}-{it.key.hex()[:16]}.tmp")
+        tmp = str(self._tmp / f"{_TEMP_SCOPE}-{os.getpid()}-{next(_TEMP_SEQ)}-{it.key.hex()[:16]}.tmp")
         try:
             if self._direct_write is not False:
                 if record is not None:

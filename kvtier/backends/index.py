@@ -131,6 +131,9 @@ class Published:
 
 
 _PID_MASK = (1 << 22) - 1
+# How old an unreferenced payload (or temp file) of a writer not known dead must be before
+# it is removed: a live writer's stays unreferenced between its write and its index commit.
+ORPHAN_GRACE_S = 600.0
 _SEQ = itertools.count()
 
 
@@ -146,12 +149,23 @@ def location_age_s(location: int) -> float:
     return time.time() - (location >> 32)
 
 
-def location_writer_gone(location: int) -> bool:
-    """Whether the process that wrote this payload is gone (on this host). Unknown (False)
-    where pids can exceed what a location holds."""
-    if _pid_max() > _PID_MASK + 1:
+def location_written_by(location: int, pids: set[int]) -> bool:
+    """Whether one of ``pids`` wrote this payload. Unknown (False) where pids can exceed what
+    a location holds (another process's pid could share the bits kept)."""
+    if not pids or _pid_max() > _PID_MASK + 1:
         return False
-    return not pid_alive((location >> 10) & _PID_MASK)
+    return (location >> 10) & _PID_MASK in {p & _PID_MASK for p in pids}
+
+
+def pid_scope() -> bytes:
+    """8 bytes naming where this process's pid means something: its host and pid namespace
+    (containers sharing a store on one machine may share a host name, never a pid
+    namespace). A pid is only ever judged alive or gone within its own scope."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return hashlib.sha256(f"{socket.gethostname()}|{ns}".encode()).digest()[:8]
 
 
 def _pid_max() -> int:
@@ -496,7 +510,7 @@ class StoreIndex:
 
     # -- writers --------------------------------------------------------------------------
     def _writer_prefix(self) -> bytes:
-        return _WRITER + hashlib.sha256(socket.gethostname().encode()).digest()[:8]
+        return _WRITER + pid_scope()
 
     def register_writer(self) -> list[int]:
         """Record this process as a writer of the store; return the pids of writers on this
@@ -556,11 +570,14 @@ def _json_object(raw: bytes | memoryview | None) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-def iter_unreferenced(index: StoreIndex, found: Iterable[tuple[bytes, int]], grace_s: float
-                      ) -> Iterator[tuple[bytes, int]]:
-    """Payloads ``(key, location)`` no index entry names, whose writer is gone or which are
-    older than ``grace_s`` (a live writer's younger payload may be between its write and
-    its index commit)."""
+def iter_unreferenced(index: StoreIndex, found: Iterable[tuple[bytes, int]], grace_s: float,
+                      gone_writers: set[int] | None = None) -> Iterator[tuple[bytes, int]]:
+    """Payloads ``(key, location)`` no index entry names, older than ``grace_s`` (a live
+    writer's younger payload may be between its write and its index commit) or written by
+    one of ``gone_writers`` (pids of this host's writers found dead, see
+    :meth:`StoreIndex.register_writer`). Never judged by whether a pid is alive here: the
+    writer may be in another pid namespace (a container) sharing the store."""
     for key, loc in found:
-        if (location_age_s(loc) > grace_s or location_writer_gone(loc)) and not index.referenced(key, loc):
+        if ((location_age_s(loc) > grace_s or location_written_by(loc, gone_writers or set()))
+                and not index.referenced(key, loc)):
             yield key, loc

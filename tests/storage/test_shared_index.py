@@ -315,7 +315,10 @@ def test_a_killed_writer_is_swept_after_and_a_clean_history_costs_no_scan(
         time.sleep(0.2)
         assert s.counters.snapshot()["orphans_removed"] == 0
         assert set(s.backend.payloads.found()) == {(item.key, gone)}
-        assert s.backend.sweep_orphans() == 1  # its writer is gone: no grace period to wait
+        # a pid not alive here may be a live writer's in another pid namespace (a container
+        # sharing the store): only a writer this host registered and found dead goes at once
+        assert s.backend.sweep_orphans() == 0
+        assert s.backend.sweep_orphans(gone_writers={rep["writer"]}) == 1
 
 
 def test_one_failed_record_does_not_drop_its_batch(tmp_path: Path) -> None:
@@ -426,3 +429,30 @@ def test_a_lease_survives_the_key_being_published_again(tmp_path: Path, backend:
         assert b.lookup(keys[-1]).location != old.location
         assert b.evict_lru(0)[0] == 0  # the leased chain (all of it) is kept
         assert b.count_present_prefix(keys) == 6
+
+
+def test_temp_files_are_judged_by_their_writers_pid_only_where_that_pid_means_something(tmp_path: Path) -> None:
+    """Files backend, on open: a temp file of a writer of this host and pid namespace goes
+    once that writer is gone; one of another scope (a container sharing the store: its pids
+    mean nothing here) only once older than the orphan grace period."""
+    import subprocess
+
+    from kvtier.backends.index import ORPHAN_GRACE_S, pid_scope
+
+    store = tmp_path / "s"
+    with open_cache(store, "files"):
+        pass
+    child = subprocess.Popen(["true"])
+    child.wait()
+    dead = child.pid  # a pid of this scope that is gone
+    tmp = store / "files" / "tmp"
+    mine = tmp / f"{pid_scope().hex()}-{dead}-0-{'ab' * 8}.tmp"
+    other_young = tmp / f"{'0' * 16}-{dead}-0-{'cd' * 8}.tmp"
+    other_old = tmp / f"{'0' * 16}-{dead}-1-{'ef' * 8}.tmp"
+    for f in (mine, other_young, other_old):
+        f.write_bytes(b"x" * 4096)
+    old = time.time() - ORPHAN_GRACE_S - 60
+    os.utime(other_old, (old, old))
+    with ChunkStore(config(store, "files")):
+        pass
+    assert sorted(f.name for f in tmp.iterdir()) == [other_young.name]
