@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import sys
 import time
@@ -30,15 +31,25 @@ from typing import TYPE_CHECKING
 from kvtier import codec
 from kvtier.errors import ConfigError, RecordError
 from kvtier.remote.nodes import NodeUnavailable
+from kvtier.remote.tier import DamagedRemoteRecord
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("kvtier")
 
 _NONE = b"KVTPIPE\x00NONE"
 _SKIP = b"KVTPIPE\x00SKIP"  # a place in the order whose message could not be stored
 _SKIPPED = object()
 _NS = b"kvtier-kv-pipe\x00\x00"  # the records' namespace field (16 bytes)
 _POLL_S = (0.0005, 0.05)  # recv polls from 0.5 ms, backing off to 50 ms
+# Advance a counter to ARGV[1] unless it is there already (or past): a retried advance, after
+# a reply lost to a timeout, is then a no-op instead of a second step.
+_ADVANCE_LUA = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]); return tonumber(ARGV[1]) end
+return cur
+"""
 
 
 def _message_key(name: str, which: str) -> bytes:
@@ -50,13 +61,23 @@ class KVPipe:
     ``redis+cluster://`` address, or a directory both sides can reach."""
 
     def __init__(self, where: str | Path, name: str, *, device: str = "cpu",
-                 timeout_s: float = 5.0, max_tensor_bytes: int = 1 << 30) -> None:
+                 timeout_s: float = 5.0, max_tensor_bytes: int = 1 << 30,
+                 skip_after_s: float = 5.0) -> None:
         if not name or "/" in name or "\0" in name:
             raise ConfigError(f"pipe name {name!r}: must be non-empty, without '/' or NUL")
+        if skip_after_s < 0:
+            raise ConfigError(f"skip_after_s {skip_after_s}: must be >= 0")
         self.name = name
         self.device = device
         self.max_tensor_bytes = max_tensor_bytes
+        self.skip_after_s = skip_after_s
         self._closed = False
+        # (head seen, when): every place below that head was taken by then; one still empty
+        # skip_after_s later is given up on (its send failed without leaving a skip marker)
+        self._gap: tuple[int, float] | None = None
+        # a message taken whose tail advance failed: (seq, key, outcome), handed out next time
+        self._pending: tuple[int, bytes, object] | None = None
+        self._counts = {"received": 0, "skipped": 0, "damaged": 0}
         _register_with_vllm()
         if str(where).startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
             self._store: _Store = _RedisStore(str(where), name, timeout_s)
@@ -91,43 +112,94 @@ class KVPipe:
 
     def recv_tensor(self, tensor_key: str = "", timeout: float | None = None) -> torch.Tensor | None:
         """The next tensor (or None) in send order, or the one sent under ``tensor_key``;
-        waits for it (up to ``timeout`` seconds, then :class:`TimeoutError`)."""
+        waits for it (up to ``timeout`` seconds, then :class:`TimeoutError`). A damaged message
+        is consumed and raises :class:`RecordError` once; the next receive gets the next one."""
         self._check_open()
-        which = f"key:{tensor_key}" if tensor_key else f"seq:{self._store.peek_seq('tail') + 1}"
-        key = _message_key(self.name, which)
         deadline = None if timeout is None else time.monotonic() + timeout
-        wait = _POLL_S[0]
         while True:
-            got = self._store.get(key)
-            if got is not None:
-                break
+            if tensor_key:
+                key = _message_key(self.name, f"key:{tensor_key}")
+                outcome = self._take(key, None, deadline, timeout)
+                self._store.delete(key)
+            else:
+                if self._pending is None:
+                    seq = self._store.peek_seq("tail") + 1
+                    key = _message_key(self.name, f"seq:{seq}")
+                    self._pending = (seq, key, self._take(key, seq, deadline, timeout))
+                seq, key, outcome = self._pending
+                # the tail first, then the delete: a failure in between leaves the message
+                # in the store, never a tail pointing at a deleted one. If the advance fails
+                # (OSError), the message stays taken here and the next receive returns it.
+                self._store.advance("tail", seq)
+                self._pending = None
+                self._store.delete(key)
+            if outcome is _SKIPPED:
+                self._counts["skipped"] += 1
+                continue
+            if isinstance(outcome, RecordError):
+                self._counts["damaged"] += 1
+                raise outcome
+            self._counts["received"] += 1
+            out: torch.Tensor | None = outcome  # type: ignore[assignment]
+            if out is not None and self.device != "cpu":
+                out = out.to(self.device)
+            return out
+
+    def _take(self, key: bytes, seq: int | None, deadline: float | None, timeout: float | None) -> object:
+        """Wait for message ``key`` (place ``seq`` in the order, if by order) and decode it:
+        the tensor or None, ``_SKIPPED``, or the :class:`RecordError` of a damaged message."""
+        wait = _POLL_S[0]
+        last_error: OSError | None = None
+        while True:
+            try:
+                got = self._store.get(key)
+            except RecordError as exc:  # there but unreadable: consumed like any message
+                return exc
+            except OSError as exc:  # the store cannot say now (down, slow): wait on
+                got, last_error = None, exc
+            else:
+                if got is not None:
+                    break
+                if seq is not None and self._given_up(seq):
+                    log.warning("kvtier pipe %r: message %d is still missing %.1f s after a later "
+                                "one's place was taken; skipping it (its send failed)", self.name, seq,
+                                self.skip_after_s)
+                    return _SKIPPED
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s")
+                why = f" (last error: {last_error})" if last_error is not None else ""
+                raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s{why}")
             time.sleep(wait)
             wait = min(wait * 2, _POLL_S[1])
         header, pieces = got
+        if header == _SKIP:  # the producer failed to store this one: skip it
+            return _SKIPPED
+        if header == _NONE:
+            return None
         try:
-            if header == _SKIP:  # the producer failed to store this one: skip it
-                out: torch.Tensor | None = _SKIPPED
-            else:
-                out = None if header == _NONE else codec.decode_pieces(
-                    header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
-        except RecordError:
-            self._consumed(key, tensor_key)  # a damaged message is gone; the next one follows
-            raise
-        self._consumed(key, tensor_key)
-        if out is _SKIPPED:
-            return self.recv_tensor(tensor_key, None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if out is not None and self.device != "cpu":
-            out = out.to(self.device)
-        return out
+            return codec.decode_pieces(header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
+        except RecordError as exc:
+            return exc
 
-    def _consumed(self, key: bytes, tensor_key: str) -> None:
-        """Advance the tail, then delete the message: if the tail cannot be advanced, the
-        message is still there for the next receive (OSError), never lost."""
-        if not tensor_key:
-            self._store.next_seq("tail")
-        self._store.delete(key)
+    def _given_up(self, seq: int) -> bool:
+        """Place ``seq`` is empty: give up on it once a later place has been taken for
+        ``skip_after_s``. A send takes its place (the head) before storing its message, so a
+        later place taken means this send is over, with one producer; the grace period covers
+        several producers and a slow store. Absent for other reasons, the wait goes on."""
+        now = time.monotonic()
+        if self._gap is None or seq >= self._gap[0]:
+            try:
+                head = self._store.peek_seq("head")
+            except OSError:
+                return False
+            if head <= seq:
+                return False
+            self._gap = (head, now)
+        return now - self._gap[1] >= self.skip_after_s
+
+    def stats(self) -> dict[str, int]:
+        """Messages this pipe object received, skipped (a failed send: its skip marker, or a
+        place left empty past ``skip_after_s``) and found damaged (raised as RecordError)."""
+        return dict(self._counts)
 
     def close(self) -> None:
         if not self._closed:
@@ -158,8 +230,11 @@ def _register_with_vllm() -> None:
 
 
 class _Store:
+    """``get``: None if absent, RecordError if there but unreadable, OSError if it cannot say."""
+
     def next_seq(self, counter: str) -> int: ...
     def peek_seq(self, counter: str) -> int: ...
+    def advance(self, counter: str, to: int) -> None: ...
     def put(self, key: bytes, header: bytes, payload: memoryview) -> None: ...
     def get(self, key: bytes) -> tuple[bytes, list[bytes | memoryview]] | None: ...
     def delete(self, key: bytes) -> None: ...
@@ -176,13 +251,22 @@ class _RedisStore(_Store):
         self.tier = RemoteTier(url=url, password=None, timeout_s=timeout_s, part_bytes=4 << 20,
                                queue_bytes=1, counters=Counters(), writer=False)
         self.name = name
-        self._parts: dict[bytes, list[str]] = {}
+        self._parts: dict[bytes, list[str] | None] = {}
 
-    def _counter(self, counter: str, op: str) -> int:
+    def _counter(self, counter: str, op: str, to: int = 0) -> int:
         k = f"kvpipe:{{{self.name}}}:{counter}"
+
+        def build(p: object) -> None:
+            if op == "incr":
+                p.incr(k)  # type: ignore[attr-defined]
+            elif op == "advance":
+                p.eval(_ADVANCE_LUA, 1, k, to)  # type: ignore[attr-defined]
+            else:
+                p.get(k)  # type: ignore[attr-defined]
+
         try:
             ((node, client, _),) = self.tier.nodes.route([k])
-            (reply,) = self.tier.nodes.run(node, client, lambda p: p.incr(k) if op == "incr" else p.get(k))
+            (reply,) = self.tier.nodes.run(node, client, build)
         except NodeUnavailable as exc:
             raise OSError(f"kvtier pipe {self.name!r}: the server is unavailable ({exc})") from exc
         if isinstance(reply, Exception):
@@ -195,6 +279,10 @@ class _RedisStore(_Store):
     def peek_seq(self, counter: str) -> int:
         return self._counter(counter, "get")
 
+    def advance(self, counter: str, to: int) -> None:
+        if self._counter(counter, "advance", to) < to:
+            raise OSError(f"kvtier pipe {self.name!r}: the {counter} counter did not advance")
+
     def put(self, key: bytes, header: bytes, payload: memoryview) -> None:
         if self.tier.store_many([(key, header, payload)]) != 1:
             raise OSError(f"kvtier pipe {self.name!r}: the server did not store the message: it is "
@@ -202,14 +290,24 @@ class _RedisStore(_Store):
                           "sent under this tensor_key is still waiting to be received")
 
     def get(self, key: bytes) -> tuple[bytes, list[bytes | memoryview]] | None:
-        rec = self.tier.fetch(key)
+        # not tier.fetch: that reads a damaged or partly evicted record as "absent", and
+        # deletes it, and the consumer would wait for this message for ever
+        try:
+            rec = self.tier.fetch_checked(key)
+        except DamagedRemoteRecord as exc:
+            self._parts[key] = exc.part_names  # None: unknown, delete() purges
+            raise RecordError(f"kvtier pipe {self.name!r}: a damaged message ({exc})") from exc
         if rec is None:
             return None
         self._parts[key] = rec.part_names
         return rec.header, list(rec.pieces)
 
     def delete(self, key: bytes) -> None:
-        self.tier.delete(key, self._parts.pop(key, ()))
+        parts = self._parts.pop(key, ())
+        if parts is None:  # its manifest was unreadable: find its parts to delete them
+            self.tier.purge(key)
+        else:
+            self.tier.delete(key, parts)
 
     def close(self) -> None:
         self.tier.close(0)
@@ -238,6 +336,10 @@ class _DirStore(_Store):
         n = self.peek_seq(counter) + 1
         self._replace(self.dir / counter, [str(n).encode()])
         return n
+
+    def advance(self, counter: str, to: int) -> None:
+        if self.peek_seq(counter) < to:
+            self._replace(self.dir / counter, [str(to).encode()])
 
     def _replace(self, path: Path, parts: list[bytes | memoryview]) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

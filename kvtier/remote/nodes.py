@@ -94,7 +94,9 @@ class RedisNodes:
             health_check_interval=0, max_connections=max_connections,
         )
         if address.tls:  # certificates verified; against the given CA, else the system's
-            self._kwargs.update(ssl_cert_reqs="required", ssl_ca_certs=tls_ca)
+            # and for this host: redis-py 5.x defaults ssl_check_hostname to False, which would
+            # accept any certificate the CA signed, for any host
+            self._kwargs.update(ssl_cert_reqs="required", ssl_ca_certs=tls_ca, ssl_check_hostname=True)
         self._lock = threading.Lock()
         self._breakers: dict[str, _Breaker] = {}
         self._clients: dict[str, Any] = {}

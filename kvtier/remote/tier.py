@@ -63,6 +63,15 @@ def _transient_errors() -> tuple[type, ...]:
     return (e.MovedError, e.AskError, e.TryAgainError, e.BusyLoadingError, e.ClusterDownError)
 
 
+def _is_oom(reply: object) -> bool:
+    """A write refused for memory: maxmemory reached under the noeviction policy."""
+    from redis import exceptions as e
+
+    # OutOfMemoryError is the class redis-py gives "OOM" replies; the text covers any version
+    return isinstance(reply, getattr(e, "OutOfMemoryError", ())) or (
+        isinstance(reply, e.ResponseError) and "maxmemory" in str(reply))
+
+
 def _is_noscript(reply: object) -> bool:
     from redis.exceptions import NoScriptError
 
@@ -107,6 +116,16 @@ class RemoteRecord:
     pieces: list[bytes]
     part_names: list[str]
     manifest: bytes = b""  # the manifest value read: deletes check it is still the same
+
+
+class DamagedRemoteRecord(RecordError):
+    """:meth:`RemoteTier.fetch_checked`: the record is there but cannot be read (a damaged
+    manifest, another format version, or a part missing). ``part_names``: its parts as the
+    manifest names them, or None where the manifest is unreadable (see :meth:`RemoteTier.purge`)."""
+
+    def __init__(self, message: str, part_names: list[str] | None) -> None:
+        super().__init__(message)
+        self.part_names = part_names
 
 
 @dataclass
@@ -274,6 +293,65 @@ class RemoteTier:
                 # else an error reply (a slot moving, a busy server): a miss, nothing deleted
         return out
 
+    def fetch_checked(self, key: bytes) -> RemoteRecord | None:
+        """One record, for a caller that must tell "absent" from "there but unusable" (the KV
+        pipe, whose consumer would otherwise wait for a message that never becomes readable).
+        None: absent. Raises :class:`DamagedRemoteRecord` for a damaged manifest, one of
+        another format version, or a missing part; ``OSError`` when the server cannot say now
+        (down, slow, an error reply). Counts like a load, deletes nothing: the caller decides
+        (:meth:`delete` with the part names, else :meth:`purge`). Not verified: the codec does that."""
+        name = manifest_name(key)
+        try:
+            routes = self.nodes.route([name])
+            if not routes:
+                raise OSError(f"remote tier {self.address.describe()}: no node serves {name}")
+            ((node, client, _),) = routes
+            (value,) = self.nodes.run(node, client, lambda p: p.get(name))
+            if value is None:
+                return None
+            if not isinstance(value, bytes):  # an error reply (a slot moving, a loading server)
+                raise OSError(f"remote tier {self.address.describe()}: {value}")
+            try:
+                header, _, parts, wid = unpack_manifest(value)
+            except RecordError as exc:  # IncompatibleRecord too: unreadable here all the same
+                self.counters.add(remote_corrupt=1)
+                raise DamagedRemoteRecord(f"remote manifest unreadable: {exc}", None) from exc
+            part_names = [part_name(key, wid, j) for j in range(parts)]
+            pieces = self.nodes.run(node, client, lambda p: [p.get(n) for n in part_names])
+        except NodeUnavailable as exc:
+            self._unavailable("a load", exc)
+            raise OSError(f"remote tier {self.address.describe()} unavailable ({exc})") from exc
+        if any(piece is None for piece in pieces):
+            self.counters.add(remote_incomplete=1)
+            raise DamagedRemoteRecord("a part of the record is missing (evicted?)", part_names)
+        for piece in pieces:
+            if not isinstance(piece, bytes):  # an error reply: the record may be whole, later
+                raise OSError(f"remote tier {self.address.describe()}: {piece}")
+        return RemoteRecord(header, pieces, part_names, value)
+
+    def purge(self, key: bytes) -> None:
+        """Delete a record whose manifest cannot be read, with every part stored under its key
+        (found by SCAN on its node, as the manifest that named them is unreadable). A repair
+        for rare damage, O(keys on that node): never on a load path. Never raises."""
+        name = manifest_name(key)
+        pattern = f"{name}:*"  # hex digits and braces: nothing glob-special
+        try:
+            for node, client, _ in self.nodes.route([name]):  # one hash tag: one node
+                cursor, doomed = 0, [name]
+                while True:
+                    (reply,) = self.nodes.run(node, client, lambda p, c=cursor: p.scan(c, match=pattern, count=1000))
+                    if isinstance(reply, Exception):
+                        break  # SCAN refused (an ACL): the manifest goes, parts wait for eviction
+                    cursor, found = reply
+                    doomed += found
+                    if not cursor:
+                        break
+                self.nodes.run(node, client, lambda p, d=doomed: p.delete(*d))
+        except NodeUnavailable as exc:
+            self._unavailable("a delete", exc)
+        except Exception as exc:  # never raise a remote fault into the caller
+            self._unexpected("a delete", exc)
+
     def discard_corrupt(self, key: bytes, why: Exception, manifest: bytes) -> None:
         """A remote record proven damaged: count it and delete it (a miss from now on),
         unless it was rewritten since ``manifest`` was read."""
@@ -314,29 +392,49 @@ class RemoteTier:
             self.counters.add(remote_dropped=len(items))
             return 0
         for node, client, idx in routes:
+            todo: list[int] = []
+            commands: list[tuple[int, bytes]] = []  # per item of todo: (commands, manifest)
             try:
                 there = self.nodes.run(node, client, lambda p, idx=idx: [p.exists(names[i]) for i in idx])
                 todo = [i for i, r in zip(idx, there, strict=True) if r != 1]
                 if not todo:
                     continue
-                replies = self.nodes.run(node, client, lambda p, todo=todo: [self._add_sets(p, items[i]) for i in todo])
+                replies = self.nodes.run(node, client, lambda p, todo=todo, commands=commands: commands.extend(
+                    self._add_sets(p, items[i]) for i in todo))
             except NodeUnavailable as exc:
                 self._unavailable("a save", exc)
-                self.counters.add(remote_dropped=len(idx))
+                self.counters.add(remote_dropped=len(todo) if todo else len(idx))
                 continue
-            refused = [r for r in replies if isinstance(r, Exception)]
+            # one item's replies are its parts' SETs then its manifest's: judge each item by
+            # its own, so one refused command drops one chunk, not the whole pipeline
+            at, done, refused = 0, [], []
+            for i, (n, manifest) in zip(todo, commands, strict=True):
+                errors = [r for r in replies[at : at + n] if isinstance(r, Exception)]
+                if not errors:
+                    done.append(i)
+                else:
+                    refused.append(errors[0])
+                    if not isinstance(replies[at + n - 1], Exception):  # a manifest over a missing part
+                        self.delete(items[i][0], expect=manifest)
+                at += n
             if refused:
-                # typically "OOM command not allowed": maxmemory without an eviction policy
-                self.counters.add(remote_dropped=len(todo))
-                self._warn("refused", "kvtier: remote tier %s refused writes (%s); set maxmemory-policy "
-                           "to allkeys-lru so the server evicts instead", self.address.describe(), refused[0])
-                continue
-            written += len(todo)
-            self.counters.add(remote_saves=len(todo),
-                              remote_bytes_saved=sum(len(items[i][1]) + items[i][2].nbytes for i in todo))
+                self.counters.add(remote_dropped=len(refused))
+                oom = next((r for r in refused if _is_oom(r)), None)
+                if oom is not None:
+                    self._warn("refused", "kvtier: remote tier %s refused writes (%s); set maxmemory-policy "
+                               "to allkeys-lru so the server evicts instead", self.address.describe(), oom)
+                elif not all(isinstance(r, _transient_errors()) for r in refused):
+                    self._warn("refused-other", "kvtier: remote tier %s refused writes (%s)",
+                               self.address.describe(), refused[0])
+                # a slot moving (MOVED, ASK, TRYAGAIN): those chunks are dropped, counted, and
+                # the slot map is re-read (RedisNodes.run); nothing to warn about
+            written += len(done)
+            self.counters.add(remote_saves=len(done),
+                              remote_bytes_saved=sum(len(items[i][1]) + items[i][2].nbytes for i in done))
         return written
 
-    def _add_sets(self, pipe: object, item: tuple[bytes, bytes, memoryview]) -> None:
+    def _add_sets(self, pipe: object, item: tuple[bytes, bytes, memoryview]) -> tuple[int, bytes]:
+        """Queue one record's SETs on ``pipe``: ``(how many commands, the manifest value)``."""
         key, header, payload = item
         payload = memoryview(payload).cast("B")
         wid = os.urandom(8)
@@ -344,14 +442,17 @@ class RemoteTier:
         parts = max(1, -(-payload.nbytes // pb))
         for i in range(parts):
             pipe.set(part_name(key, wid, i), payload[i * pb : (i + 1) * pb])
-        pipe.set(manifest_name(key), pack_manifest(header, payload.nbytes, parts, wid))  # last: visible
+        manifest = pack_manifest(header, payload.nbytes, parts, wid)
+        pipe.set(manifest_name(key), manifest)  # last: visible
+        return parts + 1, manifest
 
     def enqueue(self, key: bytes, header: bytes, payload: memoryview) -> bool:
         """Write-behind: queue a record for the remote tier. False (counted) if the queue's
         byte budget is spent or the tier is closed; the caller never waits."""
         item = _Queued(key, header, payload)
         with self._cv:
-            if self._closed or self._writer is None:
+            if self._closed or self._writer is None:  # a save after close is a drop too
+                self.counters.add(remote_dropped=1)
                 return False
             if self._queued_bytes + item.nbytes > self.queue_bytes:
                 self.counters.add(remote_dropped=1)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.errors import ConfigError, RecordError
-from kvtier.pipe import KVPipe
+from kvtier.pipe import KVPipe, _message_key
+from kvtier.remote.tier import manifest_name
 from kvtier.testing.redis_server import LocalRedis, LocalRedisCluster
 
 PEER = Path(__file__).with_name("_pipe_peer.py")
@@ -102,3 +107,117 @@ def test_unsupported_tensors_are_refused_before_taking_a_place(tmp_path: Path) -
             p.send_tensor(torch.zeros(2, dtype=torch.complex64))
         p.send_tensor(torch.ones(1))
         assert p.recv_tensor(timeout=1).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("damage", ["manifest", "evicted_part"])
+def test_a_damaged_redis_message_raises_once_and_the_next_one_follows(redis_server: LocalRedis, damage: str) -> None:
+    """A damaged manifest or a part evicted is consumed and raises RecordError once; it used
+    to read as "not sent yet", and every later message waited behind it for ever."""
+    c = redis_server.client()
+    with KVPipe(redis_server.url, "dm") as prod, KVPipe(redis_server.url, "dm") as cons:
+        prod.send_tensor(torch.randn(5 << 18))  # 5 MiB: two 4 MiB parts
+        prod.send_tensor(torch.ones(3))
+        m1 = manifest_name(_message_key("dm", "seq:1"))
+        parts = sorted(c.scan_iter(match=m1 + ":*"))
+        assert len(parts) == 2
+        if damage == "manifest":
+            v = bytearray(c.get(m1))
+            v[30] ^= 0xFF
+            c.set(m1, bytes(v))
+        else:
+            c.delete(parts[0])  # the server evicted a part
+        with pytest.raises(RecordError, match="damaged message"):
+            cons.recv_tensor(timeout=2)
+        assert cons.recv_tensor(timeout=2).tolist() == [1.0, 1.0, 1.0]
+        assert cons.stats() == {"received": 1, "skipped": 0, "damaged": 1}
+        assert list(c.scan_iter(match="kvt:*")) == []  # the damaged one's parts too, manifest or not
+        with pytest.raises(TimeoutError):
+            cons.recv_tensor(timeout=0.05)
+
+
+def test_a_truncated_file_message_raises_once_and_the_next_one_follows(tmp_path: Path) -> None:
+    with KVPipe(tmp_path, "t") as p:
+        p.send_tensor(torch.randn(64))
+        p.send_tensor(torch.ones(2))
+        msg = tmp_path / "t" / f"{_message_key('t', 'seq:1').hex()}.msg"
+        msg.write_bytes(b"\xff\xff")
+        with pytest.raises(RecordError, match="truncated"):
+            p.recv_tensor(timeout=1)
+        assert not msg.exists()
+        assert p.recv_tensor(timeout=1).tolist() == [1.0, 1.0]
+
+
+def test_a_lost_head_increment_reply_is_skipped_after_the_grace_period(redis_server: LocalRedis) -> None:
+    """The INCR of the head ran on the server but its reply was lost: the send raised before
+    it could leave a skip marker. The consumer waits while nothing later was sent, then gives
+    the empty place up ``skip_after_s`` after a later one was taken."""
+    with KVPipe(redis_server.url, "h", skip_after_s=0.5) as prod, \
+            KVPipe(redis_server.url, "h", skip_after_s=0.5) as cons:
+        real = prod._store.next_seq
+
+        def reply_lost(counter: str) -> int:
+            real(counter)
+            raise OSError("injected: the reply timed out")
+
+        prod._store.next_seq = reply_lost
+        with pytest.raises(OSError, match="injected"):
+            prod.send_tensor(torch.zeros(8))
+        prod._store.next_seq = real
+        with pytest.raises(TimeoutError):  # place 1 taken, nothing later: maybe still coming
+            cons.recv_tensor(timeout=0.2)
+        prod.send_tensor(torch.ones(4))
+        t0 = time.monotonic()
+        assert cons.recv_tensor(timeout=5).tolist() == [1.0] * 4
+        assert time.monotonic() - t0 >= 0.45  # the grace period was waited out
+        assert cons.stats()["skipped"] == 1
+
+
+def test_a_send_stalled_after_taking_its_place_is_skipped(redis_server: LocalRedis) -> None:
+    """The server stalls right after the head INCR: the message put times out, the circuit
+    breaker opens, and the skip marker fails at once on it. The next send is received."""
+    c = redis_server.client()
+    pid = redis_server.proc.pid
+    with KVPipe(redis_server.url, "s", timeout_s=0.3, skip_after_s=0.2) as prod, \
+            KVPipe(redis_server.url, "s", timeout_s=0.3, skip_after_s=0.2) as cons:
+        real = prod._store.next_seq
+
+        def then_stall(counter: str) -> int:
+            n = real(counter)
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(0.6, os.kill, (pid, signal.SIGCONT)).start()
+            return n
+
+        prod._store.next_seq = then_stall
+        try:
+            with pytest.raises(OSError):
+                prod.send_tensor(torch.zeros(8))
+        finally:
+            prod._store.next_seq = real
+        time.sleep(0.9)  # the server is back and the breaker's first back-off (0.5 s) over
+        assert not c.exists(manifest_name(_message_key("s", "seq:1")))  # neither message nor marker
+        prod.send_tensor(torch.ones(4))
+        assert cons.recv_tensor(timeout=5).tolist() == [1.0] * 4
+        assert cons.stats()["skipped"] == 1
+
+
+def test_a_lost_tail_advance_reply_loses_no_message(redis_server: LocalRedis) -> None:
+    """The tail advance ran but its reply was lost: that receive raises OSError, the next one
+    returns the same message, and the retried advance does not step over the next message."""
+    with KVPipe(redis_server.url, "ta") as prod, KVPipe(redis_server.url, "ta") as cons:
+        prod.send_tensor(torch.zeros(2))
+        prod.send_tensor(torch.ones(2))
+        real, calls = cons._store.advance, []
+
+        def reply_lost_once(counter: str, to: int) -> None:
+            real(counter, to)
+            calls.append(to)
+            if len(calls) == 1:
+                raise OSError("injected: the reply timed out")
+
+        cons._store.advance = reply_lost_once
+        with pytest.raises(OSError, match="injected"):
+            cons.recv_tensor(timeout=2)
+        assert cons.recv_tensor(timeout=2).tolist() == [0.0, 0.0]
+        assert cons.recv_tensor(timeout=2).tolist() == [1.0, 1.0]
+        assert calls == [1, 1, 2]
+        assert redis_server.client().get("kvpipe:{ta}:tail") == b"2"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from pathlib import Path
 
@@ -10,7 +12,10 @@ import torch
 from remotehelpers import CHUNK, kv_for, manifests, open_cache, tokens, wait_for
 
 from kvtier import CacheConfig, ConfigError
+from kvtier.metrics import Counters
 from kvtier.remote.address import parse_remote
+from kvtier.remote.nodes import RedisNodes
+from kvtier.remote.tier import RemoteTier, manifest_name
 from kvtier.testing.redis_server import LocalRedis
 
 SEQ = tokens(1, 4 * CHUNK + 8)  # four chunks and a tail
@@ -100,7 +105,9 @@ def test_damaged_values_in_the_server_are_misses(tmp_path: Path, redis_server: L
     assert c.get(manifest) is None  # hidden from every server from now on
 
 
-def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: Path, redis_server: LocalRedis) -> None:
+def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: Path, redis_server: LocalRedis,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier")
     c = redis_server.client()
     c.config_set("maxmemory-policy", "noeviction")
     c.config_set("maxmemory", str(c.info("memory")["used_memory"] + 10_000))
@@ -111,6 +118,7 @@ def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: P
             stats = a.stats()
             assert stats["remote_dropped"] == 5 and stats["remote_saves"] == 0
             assert stats["saves_committed"] == 5  # the local tier has them all
+            assert "set maxmemory-policy to allkeys-lru" in caplog.text  # out of memory: the advice
     finally:
         c.config_set("maxmemory", "512mb")
         c.config_set("maxmemory-policy", "allkeys-lru")
@@ -260,3 +268,52 @@ def test_a_chunk_the_server_already_has_is_not_uploaded_again(tmp_path: Path, re
             saves.append(c.stats()["remote_saves"])
     assert saves == [5, 0]
     assert len(manifests(redis_server.client())) == 5
+
+
+@pytest.mark.parametrize("url", ["rediss://127.0.0.1:6390", "rediss+cluster://127.0.0.1:6390,127.0.0.1:6391"])
+def test_tls_checks_the_host_name_whatever_the_redis_client_defaults_to(url: str) -> None:
+    """redis-py 5.x defaults ssl_check_hostname to False: any certificate the CA signed, for
+    any host, would do. kvtier asks for the check itself (no connection is made here)."""
+    nodes = RedisNodes(parse_remote(url, None), 0.5, 2)
+    try:
+        kwargs = nodes._client("127.0.0.1", 6390).connection_pool.connection_kwargs
+        assert kwargs["ssl_check_hostname"] is True and kwargs["ssl_cert_reqs"] == "required"
+    finally:
+        nodes.close()
+
+
+def test_an_upload_after_close_is_counted_as_dropped(redis_server: LocalRedis) -> None:
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=0.5, part_bytes=1 << 20,
+                      queue_bytes=1 << 20, counters=counters)
+    tier.close(5)
+    assert not tier.enqueue(os.urandom(32), b"h", memoryview(b"x"))
+    assert counters.snapshot()["remote_dropped"] == 1
+
+
+def test_one_refused_write_drops_its_own_chunk_not_the_whole_pipeline(redis_server: LocalRedis,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """An ACL user may write only some keys: its chunk there is stored and counted, the
+    others dropped one each; a refusal that is not out-of-memory gives no maxmemory advice.
+    A manifest stored over a refused part is removed (it would be an incomplete chunk)."""
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    ok, denied, half = os.urandom(32), os.urandom(32), os.urandom(32)
+    c = redis_server.client()
+    c.acl_setuser("part", enabled=True, passwords=["+pw"], commands=["+@all"],
+                  keys=[manifest_name(ok) + "*", manifest_name(half)])  # half: its manifest, no parts
+    try:
+        counters = Counters()
+        tier = RemoteTier(url=redis_server.url.replace("redis://", "redis://part:pw@"), password=None,
+                          timeout_s=1.0, part_bytes=1 << 16, queue_bytes=1, counters=counters, writer=False)
+        payload = memoryview(os.urandom(100_000))  # two parts each
+        try:
+            assert tier.store_many([(k, b"header", payload) for k in (ok, denied, half)]) == 1
+        finally:
+            tier.close(0)
+        stats = counters.snapshot()
+        assert (stats["remote_saves"], stats["remote_dropped"]) == (1, 2)
+        assert c.exists(manifest_name(ok)) and not c.exists(manifest_name(denied))
+        assert not c.exists(manifest_name(half))
+        assert "refused writes" in caplog.text and "maxmemory-policy" not in caplog.text
+    finally:
+        c.acl_deluser("part")
