@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvtier.errors import ConfigError
@@ -14,6 +15,16 @@ _SIZE_UNITS = {
     "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
 }
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# Upper bounds: a digit string too long for a float reads as infinity, and sizes end up in
+# C integers (LMDB map sizes, file offsets) and ages in nanosecond timestamps.
+MAX_SIZE = 2**63 - 1  # 8 EiB
+MAX_AGE_S = 1000 * 365 * 86400.0  # 1000 years
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message, shortened (a pasted megabyte must not fill the terminal)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}...{text[-6:]} ({len(str(value))} characters)"
 
 
 def parse_size(value: int | str, setting: str = "size") -> int:
@@ -27,12 +38,18 @@ def parse_size(value: int | str, setting: str = "size") -> int:
         unit = m.group(2).lower() if m else ""
         if not m or unit not in _SIZE_UNITS:
             raise ConfigError(
-                f"{setting}: cannot read {value!r} as a size; use a number of bytes or a "
+                f"{setting}: cannot read {_shown(value)} as a size; use a number of bytes or a "
                 "number with a unit: K, M, G, T (binary) or KB, MB, GB, TB (decimal), e.g. 50G"
             )
-        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        f = float(m.group(1)) * _SIZE_UNITS[unit]
+        if not math.isfinite(f) or f > MAX_SIZE:
+            raise ConfigError(f"{setting}: {_shown(value)} is too large a size; use at most 8 EiB "
+                              "(e.g. 50G or 2T)")
+        n = int(f)
     if n < 0:
         raise ConfigError(f"{setting}: must not be negative, got {value!r}")
+    if n > MAX_SIZE:
+        raise ConfigError(f"{setting}: {_shown(value)} is too large a size; use at most 8 EiB (e.g. 50G or 2T)")
     return n
 
 
@@ -41,10 +58,14 @@ def parse_age(value: str, setting: str = "age") -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", str(value).lower())
     if not m:
         raise ConfigError(
-            f"{setting}: cannot read {value!r} as an age; use a number with a unit "
+            f"{setting}: cannot read {_shown(value)} as an age; use a number with a unit "
             "s, m, h, d or w, e.g. 90m or 7d"
         )
-    return float(m.group(1)) * _AGE_UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _AGE_UNITS[m.group(2)]
+    if not math.isfinite(seconds) or seconds > MAX_AGE_S:
+        raise ConfigError(f"{setting}: {_shown(value)} is too long an age; use at most 1000 years "
+                          "(52000w), e.g. 90m or 7d")
+    return seconds
 
 
 def format_size(n: float) -> str:

@@ -8,6 +8,7 @@ a message that says what to do.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -110,7 +111,15 @@ class StoreLock:
     """An advisory lock on a store: shared by every user, exclusive for maintenance (compact)."""
 
     def __init__(self, root: Path, exclusive: bool = False) -> None:
-        self._fd = os.open(root / LOCKFILE, os.O_RDWR | os.O_CREAT, 0o600)
+        path = root / LOCKFILE
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not path.exists():
+                raise
+            # flock needs no write access: a user who may only read the store (or a read-only
+            # file system) locks it through a read-only descriptor, with the same effect
+            self._fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(self._fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -17,6 +17,7 @@ pages in use), so maps start large and a resize is rare.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -172,6 +173,14 @@ def forget_env(path: Path, env: lmdb.Environment) -> None:
         env.close()
 
 
+def _remove_copy(tmp: Path) -> None:
+    """Remove ``compact.tmp`` (a copy of an environment being compacted) if it is there."""
+    if tmp.is_symlink() or tmp.is_file():
+        tmp.unlink()
+    elif tmp.exists():
+        shutil.rmtree(tmp)
+
+
 class EnvHandle:
     """One user's handle on a shared environment: transactions that respect :data:`GATE`,
     reopening after ``fork``, and map growth done safely."""
@@ -264,16 +273,28 @@ class EnvHandle:
         data = self.path / "data.mdb"
         before = data.stat().st_size
         tmp = self.path / "compact.tmp"
-        tmp.mkdir(mode=0o700, exist_ok=True)
+        # A copy left by a compact that failed or was killed is never data (the live file is
+        # data.mdb; a copy replaces it only once complete), and under the exclusive lock no
+        # other compact is writing it. LMDB refuses to copy over it ("File exists").
+        _remove_copy(tmp)
+        tmp.mkdir(mode=0o700)
         env = self.env_now()
-        with GATE.held():
-            env.copy(str(tmp), compact=True)
-        with GATE.exclusive(timeout=30.0) as ok:
-            if not ok:
-                raise lmdb.Error(f"{self.path}: transactions stayed open; compact later")
-            forget_env(self.path, env)
-            os.replace(tmp / "data.mdb", data)
-            tmp.rmdir()
+        forgotten = False
+        try:
+            with GATE.held():
+                env.copy(str(tmp), compact=True)
+            with GATE.exclusive(timeout=30.0) as ok:
+                if not ok:
+                    raise lmdb.Error(f"{self.path}: transactions stayed open; compact later")
+                forget_env(self.path, env)
+                forgotten = True
+                os.replace(tmp / "data.mdb", data)
+                tmp.rmdir()
+        except BaseException:
+            _remove_copy(tmp)  # a partial copy (e.g. on a full disk) must not stay behind
+            if forgotten:
+                self._open()  # keep this handle usable, on whichever file is in place
+            raise
         self._open()
         return before - data.stat().st_size
 

@@ -21,7 +21,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.backends import Backend, EntryInfo, StoreLock, open_backend, read_marker, stored_config
+from kvtier.backends import (
+    LOCKFILE,
+    Backend,
+    EntryInfo,
+    StoreLock,
+    open_backend,
+    read_marker,
+    stored_config,
+)
 from kvtier.cli._common import NotFoundError, UsageError
 from kvtier.codec import RecordHeader, decode_header, verify_payload
 from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge, StoreError
@@ -59,6 +67,7 @@ def open_store(path: str, *, write: bool = False, exclusive: bool = False) -> It
     """
     root = store_root(path)
     marker = read_marker(root)
+    check_access(root, str(marker["backend"]), write=write)
     # The settings its writers recorded in it (limits, budget), with its backend.
     config = stored_config(root, str(marker["backend"]))
     lock = StoreLock(root, exclusive=exclusive)
@@ -70,6 +79,49 @@ def open_store(path: str, *, write: bool = False, exclusive: bool = False) -> It
             backend.close()
     finally:
         lock.release()
+
+
+def _may(path: Path, mode: int) -> bool:
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def check_access(root: Path, backend: str, *, write: bool) -> None:
+    """Refuse, saying what is needed, a user who cannot write the files every user of a store
+    writes, even one that only reads: LMDB records each reader in the environment's
+    ``lock.mdb`` (so a writer does not reuse pages it reads; reading without that table is
+    not safe beside a server). A command that changes the store also needs the data files.
+    Without this, LMDB's "Permission denied" would read as a damaged store."""
+    try:
+        read_only_fs = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    except OSError:
+        return  # let opening report it
+    if read_only_fs:
+        if write:
+            raise StoreError(f"{root}: the store's file system is mounted read-only and this command "
+                             "changes the store; remount it read-write (commands that only read "
+                             "work as it is)")
+        return  # LMDB reads without its lock files there (no writer can exist)
+    missing: list[str] = []
+    lockfile = root / LOCKFILE
+    if lockfile.exists():
+        if not _may(lockfile, os.R_OK):  # an existing one is locked through a read-only fd
+            missing.append(f"{LOCKFILE} (read)")
+    elif not _may(root, os.W_OK):
+        missing.append(f"{root.name}/ (write, to create {LOCKFILE})")
+    for env in [root / "index"] + ([root / "lmdb"] if backend == "lmdb" else []):
+        if not env.is_dir():
+            continue
+        for name in ("lock.mdb", "data.mdb") if write else ("lock.mdb",):
+            f = env / name
+            if not _may(f if f.exists() else env, os.W_OK):
+                missing.append(f"{env.name}/{name} (write)" if f.exists() else f"{env.name}/ (write)")
+    if missing:
+        why = ("changing the store needs" if write else
+               "every command needs, even a read-only one (LMDB records each reader in lock.mdb)")
+        raise StoreError(
+            f"{root}: this user lacks access to {', '.join(missing)}, which {why}; run as the "
+            "store's owner, or grant the group access (chmod g+rw on those files, g+rwx on their "
+            "directories)")
 
 
 def snapshot(backend: Backend) -> list[EntryInfo]:

@@ -9,9 +9,11 @@ malformed size or age, unknown namespace, unusable tokens file). Every failure i
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import lmdb
 
@@ -19,7 +21,7 @@ import kvtier
 from kvtier.backends.lmdb_check import damaged_store
 from kvtier.cli import compact, evict, inspect, ls, prefetch, stats, verify, warmup
 from kvtier.cli._common import NotFoundError, Parser, UsageError
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, KVTierError, StoreDamaged
 
 EPILOG = """\
 examples:
@@ -28,7 +30,7 @@ examples:
   kvtier inspect /data/kvcache 3fa2c1         one record's header and checksum status
   kvtier verify /data/kvcache                 check every checksum (exit 1 if corrupt)
   kvtier evict /data/kvcache --max-bytes 50G  drop least recently used chunks
-  kvtier compact /data/kvcache                shrink an LMDB store's file (server stopped)
+  kvtier compact /data/kvcache                shrink a store's LMDB files (server stopped)
   kvtier prefetch /data/kvcache --max-bytes 20G  read the hot records into the page cache
   kvtier warmup --model DIR --prompts P.jsonl store the KV of known prompts before traffic
 
@@ -58,6 +60,43 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
+def _store_of(args: argparse.Namespace) -> str:
+    # 'warmup' has no STORE argument (its store is the --config path)
+    return str(getattr(args, "store", None) or "the cache's store")
+
+
+# What a full file system looks like from LMDB or the OS. Not damage: nothing is wrong with
+# the store's files, and a retry with free space succeeds.
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = tuple(os.strerror(e) for e in _FULL_ERRNOS)  # py-lmdb has no class for EDQUOT
+
+
+def _is_full(exc: BaseException) -> bool:
+    if isinstance(exc, lmdb.DiskError | lmdb.MapFullError):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+        return True
+    return isinstance(exc, lmdb.Error) and any(t in str(exc) for t in _FULL_TEXTS)
+
+
+def _no_space(args: argparse.Namespace, exc: BaseException) -> str | None:
+    """The message for an error that is (or was raised because of) a full file system."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:  # also under a wrapper ('from None')
+        if _is_full(cause):
+            if getattr(args, "command", None) == "compact":
+                advice = "free space (compact writes a copy of the data in use), then retry"
+            else:
+                advice = "free space (or lower disk_bytes), then retry"
+            where = ("in the store's LMDB map" if isinstance(cause, lmdb.MapFullError)
+                     else "on the store's file system")
+            return f"{_store_of(args)}: no space left {where} ({type(cause).__name__}: {cause}); {advice}"
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -70,10 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except (UsageError, ConfigError) as exc:
         return _fail(f"{exc}", 2)
+    except StoreDamaged as exc:  # opening wraps any LMDB error as damage, a full disk too
+        return _fail(_no_space(args, exc) or f"{exc}", 1)
     except (NotFoundError, KVTierError) as exc:
         return _fail(f"{exc}", 1)
     except lmdb.Error as exc:
-        return _fail(str(damaged_store(args.store, f"{type(exc).__name__}: {exc}")), 1)
+        full = _no_space(args, exc)
+        if full:
+            return _fail(full, 1)
+        return _fail(str(damaged_store(Path(_store_of(args)), f"{type(exc).__name__}: {exc}")), 1)
     except BrokenPipeError:
         # The reader of our output went away (e.g. '| head'): stop quietly, status 1 as
         # rich does for its tables (stdout now goes nowhere so exit cannot fail on flush).
@@ -81,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 1
     except OSError as exc:
+        full = _no_space(args, exc)
+        if full:
+            return _fail(full, 1)
         where = f"{exc.filename}: " if exc.filename else ""
         return _fail(f"{where}{exc.strerror or exc}; check the path and its permissions", 1)
     except KeyboardInterrupt:

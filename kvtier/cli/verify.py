@@ -24,7 +24,6 @@ from kvtier.cli._common import (
 from kvtier.cli._store import (
     RECORD_PROBLEMS,
     check_record,
-    delete_in_batches,
     open_store,
     problem,
     snapshot,
@@ -89,6 +88,25 @@ def _status(backend: Backend, key: bytes) -> tuple[str, str, int]:
     return "ok", "", header.record_len
 
 
+def _remove_if_corrupt(backend: Backend, key: bytes) -> int | None:
+    """Remove ``key``'s current version if it is (still) corrupt; its bytes, or None if it
+    was not removed.
+
+    A writer may have replaced the record since it was checked: check it again, then remove
+    exactly the version checked (a version saved after this check stays)."""
+    entry = backend.lookup(key)
+    if entry is None:
+        return None
+    try:
+        if backend.read_entry(entry, lambda view: check_record(backend, key, view)) is None:
+            return None  # its payload went meanwhile
+    except RECORD_PROBLEMS as exc:
+        if problem(exc)[0] != "corrupt":  # only proven corruption removes a record
+            return None
+        return entry.size if backend.delete_entry(entry) else None
+    return None  # verifies now: a writer replaced it
+
+
 def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
     rep = Report()
     start = time.monotonic()
@@ -108,10 +126,11 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
                     rep.bytes_checked += e.size
                 bar.advance(task)
         if remove and rep.corrupt:
-            # Check again just before deleting: a writer may have replaced the record since.
-            still = [k for k in rep.corrupt if _status(st.backend, k)[0] == "corrupt"]
-            rep.removed_bytes = delete_in_batches(st.backend, still)
-            rep.removed = len(still)
+            for key in rep.corrupt:
+                removed = _remove_if_corrupt(st.backend, key)
+                if removed is not None:
+                    rep.removed += 1
+                    rep.removed_bytes += removed
     rep.seconds = time.monotonic() - start
     return rep
 

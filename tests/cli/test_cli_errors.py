@@ -14,10 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from clihelpers import Built, cli, one_line_error, run_main
-
-# Root reads every file: as root, read the store as nobody (setpriv is in util-linux).
-AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+from clihelpers import AS_NOBODY, Built, cli, one_line_error, run_main
 
 # id -> (expected exit status, substrings of the one-line message)
 CASES: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -31,6 +28,8 @@ CASES: dict[str, tuple[int, tuple[str, ...]]] = {
     "bad_size": (2, ("--max-bytes", "cannot read '50Q' as a size", "50G")),
     "bad_budget": (2, ("--budget", "cannot read 'lots' as a size")),
     "bad_age": (2, ("--older-than", "cannot read '7 days' as an age", "7d")),
+    "huge_age": (2, ("--older-than", "too long an age", "at most 1000 years")),
+    "huge_size": (2, ("--max-bytes", "too large a size", "at most 8 EiB")),
     "unknown_namespace": (2, ("unknown namespace 'ffffffff'", "kvtier ls")),
     "non_hex_namespace": (2, ("not hexadecimal",)),
     "unknown_model": (2, ("no namespace of model 'gpt-9'", "tiny-llama")),
@@ -81,6 +80,8 @@ def runs(built_stores: dict[str, Built], tmp_path_factory: pytest.TempPathFactor
         "bad_size": (("evict", lmdb_store, "--max-bytes", "50Q"), ()),
         "bad_budget": (("stats", files_store, "--budget", "lots"), ()),
         "bad_age": (("evict", files_store, "--older-than", "7 days"), ()),
+        "huge_age": (("evict", files_store, "--older-than", "9" * 400 + "d", "--dry-run"), ()),
+        "huge_size": (("evict", lmdb_store, "--max-bytes", "9" * 400 + "G", "--dry-run"), ()),
         "unknown_namespace": (("evict", files_store, "--namespace", "ffffffff", "--all"), ()),
         "non_hex_namespace": (("evict", lmdb_store, "--namespace", "xyz", "--all"), ()),
         "unknown_model": (("evict", lmdb_store, "--model", "gpt-9", "--all", "--dry-run"), ()),

@@ -27,6 +27,7 @@ from clihelpers import (
 
 from kvtier.backends import StoreLock, open_backend
 from kvtier.config import CacheConfig
+from kvtier.units import format_size
 
 
 def test_verify_finds_and_removes_corruption(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,13 +153,53 @@ def test_compact(built_stores: dict[str, Built], tmp_path: Path, capsys: pytest.
         lock.release()
     assert ok.returncode == 0, ok.stderr
     out = json.loads(ok.stdout)
-    assert out["reclaimed_bytes"] > 0 and out["before_bytes"] == size_before
-    assert (lm / "lmdb" / "data.mdb").stat().st_size == out["after_bytes"] < size_before
+    # each LMDB file is reported on its own: the records' file and the shared index
+    by_file = {f["file"]: f for f in out["files"]}
+    assert set(by_file) == {"lmdb/data.mdb", "index/data.mdb"}
+    rec = by_file["lmdb/data.mdb"]
+    assert rec["reclaimed_bytes"] > 0 and rec["before_bytes"] == size_before
+    assert (lm / "lmdb" / "data.mdb").stat().st_size == rec["after_bytes"] < size_before
+    for f in out["files"]:
+        assert f["reclaimed_bytes"] == f["before_bytes"] - f["after_bytes"]
+        assert (lm / f["file"]).stat().st_size == f["after_bytes"]
+    assert out["reclaimed_bytes"] == sum(f["reclaimed_bytes"] for f in out["files"])
     assert set(entries(lm, "lmdb")) == set(keep)  # the records survive compaction
 
     one_line_error(refused, 1, "in use", "stop the server")
     assert (busy / "lmdb" / "data.mdb").read_bytes() == busy_before
 
-    files = run_main(capsys, "compact", built_stores["files"].path)
-    assert files.returncode == 0, files.stderr
-    assert "nothing to compact" in files.stdout and "0 B reclaimed" in files.stdout
+
+def test_compact_files_store_compacts_its_index(built_stores: dict[str, Built], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # 'stats' counts the index's free pages as reclaimable by compact: compact must give them back.
+    fs = tmp_path / "files"
+    shutil.copytree(built_stores["files"].path, fs)
+    keep = built_stores["files"].keys[NS_QWEN.id.hex()]
+    backend = open_backend(CacheConfig(path=fs, backend="files"), create=False)
+    try:
+        for k in entries(fs, "files"):  # one commit each: the index's file grows, then frees
+            if k not in keep:
+                backend.delete([k])
+    finally:
+        backend.close()
+    index = fs / "index" / "data.mdb"
+    before = index.stat().st_size
+    stats = json.loads(run_main(capsys, "stats", fs, "--json").stdout)
+    assert stats["lmdb"]["reclaimable_bytes"] > 0, stats["lmdb"]
+
+    busy = StoreLock(fs)  # needs the store to itself, as for an lmdb store
+    try:
+        refused = run_main(capsys, "compact", fs)
+    finally:
+        busy.release()
+    one_line_error(refused, 1, "in use", "stop the server")
+    assert index.stat().st_size == before
+
+    r = run_main(capsys, "compact", fs)
+    assert r.returncode == 0, r.stderr
+    after = index.stat().st_size
+    assert after < before
+    assert r.stdout.strip() == (f"{fs}: compacted index/data.mdb from {format_size(before)} to "
+                                f"{format_size(after)} ({format_size(before - after)} reclaimed)")
+    assert set(entries(fs, "files")) == set(keep)
+    assert run_main(capsys, "verify", fs).returncode == 0
