@@ -27,6 +27,7 @@ import lmdb
 
 from kvtier import forksafe
 from kvtier.backends.lmdb_check import damage_report, damaged_store
+from kvtier.errors import StoreError
 
 
 class TxnGate:
@@ -128,6 +129,7 @@ def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, readah
     with _ENVS_LOCK:
         if key in _ENVS:
             env, refs = _ENVS[key]
+            _check_same_use(path, env, readonly=readonly, sync=sync)
             _ENVS[key] = (env, refs + 1)
             return env
         inherited = _INHERITED.pop(str(path), None)
@@ -151,6 +153,22 @@ def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, readah
         env.reader_check()  # free reader slots of killed processes (they pin old pages)
         _ENVS[key] = (env, 1)
         return env
+
+
+def _check_same_use(path: Path, env: lmdb.Environment, *, readonly: bool, sync: bool) -> None:
+    """LMDB allows one environment per file and process, opened once: a later user of the
+    same store in this process shares the first one's, which must then serve it. One that
+    would silently not (writes through a read-only one, ``durability="power"`` through one
+    that does not sync) is refused, saying what to change."""
+    flags = env.flags()
+    if not readonly and flags.get("readonly"):
+        raise StoreError(f"{path}: this process opened the store read-only first; it cannot also "
+                         "write it: open the writer first (a writer's handle serves readers too), "
+                         "or write from another process")
+    if sync and not flags.get("sync", True):
+        raise StoreError(f"{path}: this process opened the store with durability 'process' first; "
+                         "it cannot also write it with durability 'power': use one durability for "
+                         "a store within a process")
 
 
 def release_env(path: Path, env: lmdb.Environment) -> None:

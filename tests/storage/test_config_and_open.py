@@ -172,3 +172,28 @@ def test_readonly_open_of_missing_store(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no such directory"):
         ChunkStore(config(tmp_path / "nope"), readonly=True)
     assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_one_process_opening_a_store_two_incompatible_ways_is_told_what_to_change(
+        tmp_path: Path, backend: str) -> None:
+    """LMDB shares one environment per file and process, opened the first user's way: a
+    writer after a read-only user, or durability "power" after "process", would not get
+    what it asked for (writes refused and called damage; commits not synced): refused, with
+    what to change. The other orders share the environment."""
+    from kvtier.errors import StoreDamaged
+
+    path = tmp_path / "s"
+    with ChunkStore(config(path, backend)):
+        pass
+    with ChunkStore(config(path, backend), readonly=True), \
+            pytest.raises(StoreError, match="read-only first") as exc:
+        ChunkStore(config(path, backend))
+    assert not isinstance(exc.value, StoreDamaged)
+    with ChunkStore(config(path, backend, durability="process")), \
+            pytest.raises(StoreError, match="durability 'process' first"):
+        ChunkStore(config(path, backend, durability="power"))
+    with ChunkStore(config(path, backend, durability="power")), \
+            ChunkStore(config(path, backend, durability="process")), \
+            ChunkStore(config(path, backend), readonly=True):
+        pass
