@@ -31,8 +31,9 @@ own tokenizer, as the server would) or {"prompt_token_ids": [...]}, each with an
 warm-up writes exactly where and how the server reads; --model must be the server's --model.
 --engine vllm (default) runs vLLM with the connector as a producer: the KV is exactly what
 serving computes. --engine transformers needs no vLLM (Llama, Mistral, Qwen2/3 families).
-Exit status: 0 all prompts stored; 1 some prompt lines were bad or failed (the others ran);
-2 a bad command line or a model warm-up refuses.
+Exit status: 0 all prompts stored; 1 some prompt lines were bad or failed, or some chunks
+could not be stored (the others ran; each is reported); 2 a bad command line, an unreadable
+prompts file, or a model warm-up refuses.
 """
 
 
@@ -49,13 +50,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="the server's kv_connector_extra_config (default: the connector's defaults)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="the server's --dtype (default: auto)")
-    p.add_argument("--block-size", type=int, default=16, metavar="N",
+    p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="the server's block size: a prompt's partial last chunk is stored rounded down "
                         "to it (default: 16)")
     p.add_argument("--engine-args", default="{}", metavar="JSON",
                    help="--engine vllm: more vllm.LLM arguments, e.g. '{\"max_model_len\": 8192}'")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer above 0 (its error becomes a usage error, exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (the server's block size), got {value}")
+    return value
 
 
 def _json_object(text: str, option: str) -> dict[str, Any]:
@@ -84,15 +96,15 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.warmup import read_prompts, warmup
+    from kvtier.warmup import PromptsFileError, read_prompts, warmup
     from kvtier.warmup.hf_engine import WarmupRefused
 
     config = _json_object(args.config, "--config")
     engine_args = _json_object(args.engine_args, "--engine-args")
     try:
         prompts, errors = read_prompts(args.prompts)
-    except FileNotFoundError as exc:
-        raise UsageError(f"--prompts: {args.prompts}: no such file") from exc
+    except PromptsFileError as exc:
+        raise UsageError(f"--prompts: {exc}") from None
     if args.engine == "vllm":
         try:
             import vllm  # noqa: F401

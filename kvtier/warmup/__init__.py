@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.warmup.prompts import Prompt, PromptError, read_prompts
+from kvtier.warmup.prompts import Prompt, PromptError, PromptsFileError, read_prompts
 
 ENGINES = ("transformers", "vllm")
 Progress = Callable[[int, int, int], None]  # (prompts done, tokens, chunks stored)
@@ -51,19 +51,25 @@ class WarmupReport:
 def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "transformers",
            config: dict[str, Any] | None = None, dtype: str = "auto", block_size: int = 16,
            engine_args: dict[str, Any] | None = None, progress: Progress | None = None) -> WarmupReport:
-    """Store the KV of every prompt; bad prompt lines are reported in ``errors`` and skipped.
+    """Store the KV of every prompt; bad prompt lines, failed prompts and chunks that could
+    not be stored are reported in ``errors`` (the other prompts still run).
 
     ``block_size`` is the server's block size: a prompt's trailing partial chunk is stored
     rounded down to it, as the connector stores and looks it up (full chunks hit regardless).
+    The store settings ``config`` leaves out are those the store has recorded (see
+    :func:`with_store_settings`), never defaults that would replace the servers' own.
     """
     from kvtier.errors import ConfigError
     from kvtier.vllm.settings import ConnectorSettings
 
     if engine not in ENGINES:
         raise ConfigError(f"engine: must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError(f"block_size: must be a positive integer, got {block_size!r}")
     errors: list[PromptError] = []
     if not isinstance(prompts, list):
         prompts, errors = read_prompts(prompts)
+    config = with_store_settings(config)
     settings = ConnectorSettings.from_extra_config(config)
     if settings.cache.chunk_tokens % block_size:
         raise ConfigError(f"block_size: {block_size} must divide chunk_tokens ({settings.cache.chunk_tokens})")
@@ -73,10 +79,31 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
     if engine == "transformers":
         _run_transformers(model, prompts, settings, dtype, block_size, engine_args or {}, report, on_progress)
     else:
-        _run_vllm(model, prompts, dict(config or {}), settings, dtype, block_size, engine_args or {},
+        _run_vllm(model, prompts, config, settings, dtype, block_size, engine_args or {},
                   report, on_progress)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def with_store_settings(config: dict[str, Any] | None) -> dict[str, Any]:
+    """``config`` (a ``kv_connector_extra_config``) completed from the store it names, if that
+    store exists: its backend, and every shared setting (``disk_bytes``, ``compression``,
+    ``durability``, ...) ``config`` leaves out, as the store recorded it.
+
+    Every writer records its settings in the store and the newest writer's values hold for
+    all (eviction reads ``disk_bytes`` from the store), so a warm-up opened with defaults would
+    impose them on every server sharing the store. Values given in ``config`` still win."""
+    from kvtier.backends import MARKER, STORED_SETTINGS, read_marker, stored_config
+    from kvtier.vllm.settings import ConnectorSettings
+
+    config = dict(config or {})
+    root = ConnectorSettings.from_extra_config(config).cache.path  # checks config, resolves the default path
+    if not (root / MARKER).exists():
+        return config  # a new store: nothing recorded to keep
+    backend = str(read_marker(root)["backend"])
+    recorded = stored_config(root, backend)
+    kept: dict[str, Any] = {"backend": backend, **{k: getattr(recorded, k) for k in STORED_SETTINGS}}
+    return {**kept, **config}
 
 
 def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: str, block_size: int,
@@ -97,31 +124,106 @@ def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: s
         raise
     report.namespace = hf.namespace.id.hex()
     with KVCache(store, hf.namespace, tail_granularity=block_size) as cache:
-        for p in prompts:
+        for i, p in enumerate(prompts):
             try:
                 ids = list(p.token_ids) if p.token_ids is not None else hf.tokenize(p.text or "")
                 extras = RequestExtras(cache_salt=p.cache_salt)
-                new = [c for c in cache.chunks(ids, extras) if not cache.store.count_present_prefix([c.key])]
-                if new:  # already stored in full: no forward pass
-                    cache.save(ids, hf.kv(ids), extras)
+                refs = cache.chunks(ids, extras)
+                new = [r for r, there in zip(refs, cache.store.present_each([r.key for r in refs]), strict=True)
+                       if not there]
+                saved = _save_in_slices(cache, ids, hf.kv(ids), extras) if new else None
             except hf_engine.WarmupRefused:
                 raise
             except Exception as exc:  # one prompt's failure does not stop the others
                 report.errors.append(f"line {p.line}: {type(exc).__name__}: {exc}")
                 continue
+            if saved is not None:
+                # what the store's index holds now, not what was handed to it
+                report.chunks_stored += sum(cache.store.present_each([r.key for r in new]))
+                problem = _not_stored(cache, refs, saved)
+                if problem:
+                    report.errors.append(f"line {p.line}: {problem}")
+                    if saved.timed_out:  # the disk hangs: every further prompt would wait as long
+                        if i + 1 < len(prompts):
+                            report.errors.append(f"not run: the {len(prompts) - i - 1} prompt(s) after line {p.line}")
+                        break
+                    continue
             report.prompts += 1
             report.tokens += len(ids)
-            report.chunks_stored += len(new)
             progress(report.prompts, report.tokens, report.chunks_stored)
-        if not cache.flush(timeout=600):
-            report.errors.append("the store did not finish writing within 600 s")
+
+
+# Longest wait for one slice of a prompt to reach the disk (a write queue's worth of chunks):
+# bounded, so that a hung disk ends the warm-up with an error instead of hanging it.
+FLUSH_TIMEOUT_S = 600.0
+
+
+@dataclass
+class _Saved:
+    dropped: int  # saves the store dropped (queue or buffers full, failed writes)
+    io_errors: int  # failed writes among them
+    timed_out: bool  # a flush did not finish within FLUSH_TIMEOUT_S
+    chunk_bytes: int  # bytes of one full chunk
+
+
+def _save_in_slices(cache: Any, ids: list[int], kv: Any, extras: Any) -> _Saved:
+    """Save a prompt's KV a write queue's worth of chunks at a time, waiting for each slice
+    to be written before queueing the next: the store drops saves beyond its write queue
+    rather than wait (right for a server, whose loop must not block on the disk), so one
+    long prompt saved at once loses every chunk the queue cannot hold."""
+    from kvtier.cache import TOKEN_AXIS
+
+    store = cache.store
+    chunk_tokens = cache.namespace.chunk_tokens
+    chunk_bytes = kv.element_size() * kv.numel() // max(1, kv.shape[TOKEN_AXIS]) * chunk_tokens
+    per_slice = max(1, int(store.config.write_queue_bytes) // chunk_bytes) * chunk_tokens  # tokens
+    before = store.counters.snapshot()
+    timed_out = False
+    for start in range(0, len(ids), per_slice):
+        end = min(start + per_slice, len(ids))  # a chunk boundary, or the prompt's end
+        # a prefix's chunks have the prompt's keys; those already stored are skipped
+        cache.save(ids[:end], kv.narrow(TOKEN_AXIS, 0, end), extras)
+        if not cache.flush(timeout=FLUSH_TIMEOUT_S):
+            timed_out = True
+            break
+    after = store.counters.snapshot()
+    return _Saved(after["dropped_saves"] - before["dropped_saves"], after["io_errors"] - before["io_errors"],
+                  timed_out, chunk_bytes)
+
+
+def _not_stored(cache: Any, refs: list[Any], saved: _Saved) -> str | None:
+    """What went wrong, if some of a prompt's chunks are not in the store after its save,
+    and what to do about it; None if every chunk is there."""
+    import shutil
+
+    missing = sum(not there for there in cache.store.present_each([r.key for r in refs]))
+    if not missing:
+        return None
+    config = cache.store.config
+    what = f"{missing} of {len(refs)} chunk(s) not stored"
+    if saved.timed_out:
+        return (f"{what}: the store did not finish writing within {FLUSH_TIMEOUT_S:.0f} s (a hung or very "
+                "slow disk); check the disk, then run the warm-up again")
+    if saved.io_errors:
+        free = shutil.disk_usage(config.path).free
+        if free < missing * saved.chunk_bytes:  # what failed to be written does not fit
+            return (f"{what}: the disk holding {config.path} is full ({free:,} bytes free); free space "
+                    "on it, or lower disk_bytes below what it can hold, then run the warm-up again")
+        return (f"{what}: writing them failed (an I/O error; see the warnings above); check the disk "
+                "and the store's permissions, then run the warm-up again")
+    if saved.dropped:
+        return (f"{what}: the write queue could not take them (write_queue_bytes is "
+                f"{config.write_queue_bytes:,} bytes; one chunk may need more); raise write_queue_bytes "
+                "in --config, then run the warm-up again")
+    return (f"{what}: evicted again after being stored (the store's disk budget, disk_bytes = "
+            f"{config.disk_bytes:,} bytes, holds less than these prompts' KV, or another process "
+            "evicted them); raise disk_bytes or warm up fewer prompts")
 
 
 def _run_vllm(model: str, prompts: list[Prompt], config: dict[str, Any], settings: Any, dtype: str,
               block_size: int, engine_args: dict[str, Any], report: WarmupReport, progress: Progress) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     extra = {**config, "path": str(settings.cache.path)}  # the connector's default path, made explicit
     ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_producer",
@@ -131,17 +233,25 @@ def _run_vllm(model: str, prompts: list[Prompt], config: dict[str, Any], setting
     llm = LLM(model=model, kv_transfer_config=ktc, **kwargs)
     try:
         params = SamplingParams(max_tokens=1, temperature=0)
+        ready = _fit_for_engine(llm, prompts, report)
         batch = 8
-        for i in range(0, len(prompts), batch):
-            group = prompts[i : i + batch]
-            inputs: list[Any] = []
-            for p in group:
-                item: dict[str, Any] = ({"prompt_token_ids": list(p.token_ids)} if p.token_ids is not None
-                                        else {"prompt": p.text})
-                if p.cache_salt:
-                    item["cache_salt"] = p.cache_salt
-                inputs.append(TokensPrompt(**item) if p.token_ids is not None else item)
-            outs = llm.generate(inputs, params, use_tqdm=False)
+        for i in range(0, len(ready), batch):
+            group = ready[i : i + batch]
+            try:
+                outs = llm.generate([_vllm_input(p) for p in group], params, use_tqdm=False)
+            except Exception as exc:
+                if _engine_dead(exc):
+                    raise
+                # vLLM refuses a whole call for one bad prompt (and aborts the rest): run the
+                # call's prompts one by one, so that only the bad one is lost, with its line
+                outs = []
+                for p in group:
+                    try:
+                        outs += llm.generate([_vllm_input(p)], params, use_tqdm=False)
+                    except Exception as one:
+                        if _engine_dead(one):
+                            raise
+                        report.errors.append(f"line {p.line}: {type(one).__name__}: {_one_line(one)}")
             for o in outs:
                 report.prompts += 1
                 report.tokens += len(o.prompt_token_ids or [])
@@ -151,6 +261,54 @@ def _run_vllm(model: str, prompts: list[Prompt], config: dict[str, Any], setting
         del llm
     report.chunks_stored = _records(settings) - records_before
     progress(report.prompts, report.tokens, report.chunks_stored)
+
+
+def _vllm_input(p: Prompt) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    item: dict[str, Any] = {"prompt_token_ids": list(p.token_ids)} if p.token_ids is not None else {"prompt": p.text}
+    if p.cache_salt:
+        item["cache_salt"] = p.cache_salt
+    return TokensPrompt(**item) if p.token_ids is not None else item
+
+
+def _fit_for_engine(llm: Any, prompts: list[Prompt], report: WarmupReport) -> list[Prompt]:
+    """The prompts the engine can take: one longer than its ``max_model_len`` is reported
+    with its line (the server would refuse it too) instead of failing its whole batch.
+    A text prompt is measured with the engine's tokenizer where it has one."""
+    max_len = int(llm.llm_engine.model_config.max_model_len)
+    try:
+        tokenizer = llm.get_tokenizer()
+    except Exception:  # skip_tokenizer_init: text prompts are left to the engine to judge
+        tokenizer = None
+    fit = []
+    for p in prompts:
+        n: int | None = len(p.token_ids) if p.token_ids is not None else None
+        if n is None and tokenizer is not None:
+            try:
+                n = len(tokenizer.encode(p.text))
+            except Exception:  # the engine will say what is wrong with it
+                n = None
+        if n is not None and n > max_len:
+            report.errors.append(
+                f"line {p.line}: {n:,} tokens, more than the engine's max_model_len ({max_len:,}); "
+                "shorten the prompt, or warm up with the server's larger max_model_len in --engine-args")
+            continue
+        fit.append(p)
+    return fit
+
+
+def _engine_dead(exc: BaseException) -> bool:
+    """Whether vLLM's engine itself has failed (then no prompt can run: stop)."""
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # another vLLM layout: judge by name
+        return type(exc).__name__ == "EngineDeadError"
+    return isinstance(exc, EngineDeadError)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def _records(settings: Any) -> int:
@@ -163,4 +321,5 @@ def _records(settings: Any) -> int:
         backend.close()
 
 
-__all__ = ["ENGINES", "Prompt", "PromptError", "WarmupReport", "read_prompts", "warmup"]
+__all__ = ["ENGINES", "Prompt", "PromptError", "PromptsFileError", "WarmupReport", "read_prompts", "warmup",
+           "with_store_settings"]

@@ -90,7 +90,12 @@ def check_model(model: str) -> Any:
 
     if not Path(model).is_dir():
         raise WarmupRefused(f"{model}: not a model directory (offline warm-up reads local files only)")
-    cfg = AutoConfig.from_pretrained(model)
+    try:
+        cfg = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as exc:  # no config.json, or one without a model type
+        raise WarmupRefused(
+            f"{model}: not a Hugging Face model directory transformers can read ({_first_sentence(exc)}); "
+            "pass the directory the server loads (with its config.json and weights)") from None
     check_supported(cfg)
     return cfg
 
@@ -115,11 +120,28 @@ def load(model: str, settings: ConnectorSettings, dtype: str = "auto", need_toke
                                    cache_file=settings.cache.path / "fingerprints.json")
     namespace = build_namespace(model, geometry, settings.cache.chunk_tokens, fingerprint,
                                 identity_extras(hf_config=cfg), tp_rank=0, tp_size=1)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype])
-    hf.eval()
     tokenizer = None
-    if need_tokenizer:
+    if need_tokenizer:  # before the weights: a refusal should not wait for them
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError) as exc:  # no tokenizer files, or none transformers can build
+            raise WarmupRefused(
+                f"{model}: the model directory has no tokenizer transformers can load ({_first_sentence(exc)}); "
+                "give the prompts as prompt_token_ids instead, or add the tokenizer files") from None
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as exc:  # e.g. config.json without weight files
+        raise WarmupRefused(f"{model}: cannot load the model's weights ({_first_sentence(exc)}); "
+                            "pass the directory the server loads") from None
+    hf.eval()
     return HFModel(hf, namespace, tokenizer)
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """An exception's message up to its first sentence's end: transformers' messages run
+    to several lines of advice that does not apply here."""
+    text = " ".join(str(exc).split())
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.errors import KVTierError
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -28,6 +30,10 @@ class PromptError:
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.message}"
+
+
+class PromptsFileError(KVTierError):
+    """The prompts file as a whole cannot be read (missing, a directory, not UTF-8 text)."""
 
 
 _KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
@@ -61,13 +67,28 @@ def parse_prompt(line_no: int, text: str) -> Prompt | PromptError:
 
 
 def read_prompts(path: str | Path) -> tuple[list[Prompt], list[PromptError]]:
-    """Every good prompt and every bad line of ``path`` (blank lines are skipped)."""
+    """Every good prompt and every bad line of ``path`` (blank lines are skipped).
+
+    Raises :class:`PromptsFileError` if the file cannot be read at all."""
     prompts: list[Prompt] = []
     errors: list[PromptError] = []
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            got = parse_prompt(n, text)
-            (errors if isinstance(got, PromptError) else prompts).append(got)
+    try:
+        data = Path(path).read_bytes()  # bytes: a decoding error can then name its line
+    except FileNotFoundError:
+        raise PromptsFileError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise PromptsFileError(f"{path}: is a directory; pass a JSON Lines file") from None
+    except PermissionError:
+        raise PromptsFileError(f"{path}: permission denied; make the file readable") from None
+    for n, raw in enumerate(data.splitlines(), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:  # the whole file is in another encoding, or binary
+            raise PromptsFileError(
+                f"{path}: line {n} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                "save the prompts file as UTF-8 JSON Lines") from None
+        if not text.strip():
+            continue
+        got = parse_prompt(n, text)
+        (errors if isinstance(got, PromptError) else prompts).append(got)
     return prompts, errors

@@ -169,3 +169,207 @@ def test_prefetch_through_dali_serves_first_hits_from_host_memory(tiny_model: Pa
     assert [r.tokens for r in got] == [r.tokens for r in baseline]
     assert [r.num_cached_tokens for r in got] == [_hits(len(p)) for p in PROMPTS]
     assert stats["hits_host"] >= 4 and stats["hits_disk"] == 5 and stats["corrupt_records"] == 0
+
+
+# -- the store's shared settings ------------------------------------------------------------
+SERVER_SETTINGS = {"disk_bytes": "500G", "compression": "zstd", "durability": "power", "max_record_bytes": "64M"}
+
+
+def _codecs(store: Path) -> list[str]:
+    """How each record in ``store`` is encoded."""
+    from kvtier.cli._store import open_store, read_header, snapshot
+    from kvtier.codec import CODEC_NAMES
+
+    with open_store(str(store)) as s:
+        return [CODEC_NAMES[read_header(s.backend, e.key).codec] for e in snapshot(s.backend)]
+
+
+def _recorded(store: Path) -> dict[str, object]:
+    from kvtier.backends import STORED_SETTINGS, read_marker, stored_config
+
+    cfg = stored_config(store, str(read_marker(store)["backend"]))
+    return {"backend": cfg.backend, **{k: getattr(cfg, k) for k in STORED_SETTINGS}}
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_warmup_keeps_the_settings_the_server_recorded(tiny_model: Path, tmp_path: Path, engine: str,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A warm-up given only the store's path writes with, and leaves recorded, the settings
+    the server opened the store with; it does not impose the defaults on every server."""
+    from kvtier import CacheConfig, ChunkStore
+
+    store = tmp_path / "store"
+    ChunkStore(CacheConfig.from_dict({"path": str(store), **SERVER_SETTINGS})).close()  # the server's open
+    before = _recorded(store)
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in PROMPTS])
+    with caplog.at_level("WARNING", logger="kvtier"):
+        report = warmup(str(tiny_model), prompts, engine=engine, config={"path": str(store)}, block_size=32,
+                        engine_args=VLLM_ARGS if engine == "vllm" else None, **F32)
+    assert report.errors == [] and report.chunks_stored == 5
+    assert _recorded(store) == before
+    assert "store settings changed" not in caplog.text
+    assert _codecs(store) == ["zstd+shuffle"] * 5  # written as the server writes them
+
+
+def test_warmup_settings_given_explicitly_still_win(tiny_model: Path, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """(And a store's backend, left out, is the one it was created with.)"""
+    from kvtier import CacheConfig, ChunkStore
+
+    store = tmp_path / "store"
+    ChunkStore(CacheConfig.from_dict({"path": str(store), "backend": "files", **SERVER_SETTINGS})).close()
+    before = _recorded(store)
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}])
+    with caplog.at_level("WARNING", logger="kvtier"):
+        report = warmup(str(tiny_model), prompts, engine="transformers", block_size=32, **F32,
+                        config={"path": str(store), "disk_bytes": "1G"})
+    assert report.errors == [] and len(list(store.rglob("*.kvt"))) == 2
+    assert _recorded(store) == {**before, "disk_bytes": 1 << 30}
+    assert "disk_bytes 536870912000 -> 1073741824" in caplog.text
+
+
+# -- saves the store cannot take --------------------------------------------------------------
+LONG = tokens(2100, seed=302)  # 8 chunks + a 32-token tail: 9 chunks of up to 256 KiB (float32)
+
+
+def _records_in(store: Path) -> int:
+    from kvtier.cli._store import open_store
+
+    with open_store(str(store)) as s:
+        return s.backend.usage()[0]
+
+
+def test_long_prompt_through_a_small_write_queue_is_stored_whole(tiny_model: Path, tmp_path: Path) -> None:
+    """A prompt's KV larger than the write queue (which drops what it cannot hold rather than
+    wait) is saved in slices the queue holds: every chunk is stored, and counted once."""
+    store = tmp_path / "store"
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": LONG}, {"prompt_token_ids": PROMPTS[0]}])
+    report = warmup(str(tiny_model), prompts, engine="transformers", block_size=32, **F32,
+                    # one chunk; a writer that syncs each commit, as a slow disk would be
+                    config={"path": str(store), "write_queue_bytes": "256K", "durability": "power"})
+    assert report.errors == [] and report.prompts == 2
+    assert report.chunks_stored == 9 + 3 == _records_in(store)
+    with Engine(tiny_model, kv_transfer_config(store), **F32) as e:
+        got = e.generate([LONG], max_tokens=1)
+    assert got[0].num_cached_tokens == _hits(len(LONG))
+
+
+def _cli(tiny_model: Path, prompts: Path, config: dict[str, object]) -> list[str]:
+    return ["warmup", "--model", str(tiny_model), "--prompts", str(prompts), "--engine", "transformers",
+            "--config", json.dumps(config), "--dtype", "float32", "--block-size", "32", "--json"]
+
+
+def test_chunks_larger_than_the_write_queue_are_an_error(tiny_model: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli.main import main
+
+    store = tmp_path / "store"
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}])
+    # < one full chunk (256 KiB); the 32-token tail (32 KiB) fits
+    rc = main(_cli(tiny_model, prompts, {"path": str(store), "write_queue_bytes": "128K"}))
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 1 and summary["chunks_stored"] == 1 == _records_in(store) and summary["prompts"] == 0
+    assert summary["errors"] == [
+        "line 1: 1 of 2 chunk(s) not stored: the write queue could not take them (write_queue_bytes is "
+        "131,072 bytes; one chunk may need more); raise write_queue_bytes in --config, then run the "
+        "warm-up again"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 4 MiB tmpfs: a disk that fills (the storage tests' helper)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "storage"))
+    from kvhelpers import small_tmpfs
+
+    with small_tmpfs(tmp_path, "4m") as mnt:
+        yield mnt
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_full_disk_is_an_error_with_an_honest_count(tiny_model: Path, tmp_path: Path, small_disk: Path,
+                                                    backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from kvtier.cli.main import main
+
+    store = small_disk / "store"
+    config = {"path": str(store), "backend": backend}
+    first = _write(tmp_path / "first.jsonl", [{"prompt_token_ids": PROMPTS[1]}])
+    assert main(_cli(tiny_model, first, config)) == 0
+    capsys.readouterr()
+    free = shutil.disk_usage(small_disk).free  # someone else's data fills the disk
+    (small_disk / "other-data").write_bytes(bytes(max(0, free - (64 << 10))))
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": LONG}])
+    rc = main(_cli(tiny_model, prompts, config))
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert rc == 1 and summary["prompts"] == 0
+    assert summary["chunks_stored"] == _records_in(store) - 2 < 9
+    [error] = summary["errors"]
+    assert error.startswith(f"line 1: {9 - summary['chunks_stored']} of 9 chunk(s) not stored: the disk "
+                            f"holding {store} is full"), error
+    assert "Traceback" not in err
+
+
+# -- prompts the engine refuses ------------------------------------------------------------------
+def test_vllm_warmup_reports_refused_prompts_and_runs_the_rest(tiny_model: Path, tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    """A prompt longer than the engine's max_model_len is reported with its line before any
+    call; one vLLM refuses anyway (text, with no tokenizer) fails only itself, not its batch."""
+    from kvtier.cli.main import main
+
+    store = tmp_path / "store"
+    prompts = _write(tmp_path / "p.jsonl", [
+        {"prompt_token_ids": PROMPTS[0]},
+        {"prompt_token_ids": tokens(1500, seed=303)},
+        {"prompt": "a text prompt, and the engine has no tokenizer"},
+        {"prompt_token_ids": PROMPTS[1]},
+    ])
+    rc = main(["warmup", "--model", str(tiny_model), "--prompts", str(prompts), "--engine", "vllm",
+               "--config", json.dumps({"path": str(store)}), "--dtype", "float32", "--block-size", "32",
+               "--engine-args", json.dumps({**VLLM_ARGS, "max_model_len": 1024}), "--json"])
+    out, err = capfd.readouterr()
+    # (the in-process engine of the tests logs into pytest's captured stdout: the summary is last)
+    summary = json.loads(out[out.rindex('{\n  "engine"'):])
+    assert rc == 1 and "internal error" not in err
+    assert summary["prompts"] == 2 and summary["tokens"] == 900 and summary["chunks_stored"] == 5
+    assert [e.split(":")[0] for e in summary["errors"]] == ["line 2", "line 3"]
+    assert summary["errors"][0] == ("line 2: 1,500 tokens, more than the engine's max_model_len (1,024); "
+                                    "shorten the prompt, or warm up with the server's larger max_model_len "
+                                    "in --engine-args")
+    assert [r.num_cached_tokens for r in _serve(tiny_model, store)] == [_hits(len(p)) for p in PROMPTS]
+
+
+# -- command lines and inputs that cannot run: one clear line, exit status 2 ---------------------
+@pytest.mark.parametrize("case", ["block size 0", "not UTF-8", "a directory", "no tokenizer", "empty model dir"])
+def test_unusable_inputs_are_one_clear_error_line(tiny_model: Path, tmp_path: Path, case: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli.main import main
+
+    model, prompts, extra = str(tiny_model), _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}]), []
+    if case == "block size 0":
+        extra, want = ["--block-size", "0"], "argument --block-size: must be a positive integer"
+    elif case == "not UTF-8":
+        prompts.write_bytes(json.dumps({"prompt": "ok"}).encode() + b'\n{"prompt": "caf\xe9"}\n')  # Latin-1
+        want = f"--prompts: {prompts}: line 2 is not UTF-8 text (byte 0xe9 at column 16); save the prompts file as UTF-8"
+    elif case == "a directory":
+        prompts, want = tmp_path, f"--prompts: {tmp_path}: is a directory; pass a JSON Lines file"
+    elif case == "no tokenizer":  # the tiny model has none: text prompts cannot be tokenized
+        _write(prompts, [{"prompt": "some text"}])
+        want = "the model directory has no tokenizer transformers can load ("
+        extra = ["--config", json.dumps({"path": str(tmp_path / "store")})]
+    else:
+        (tmp_path / "empty").mkdir()
+        model, want = str(tmp_path / "empty"), "not a Hugging Face model directory transformers can read ("
+    rc = main(["warmup", "--model", model, "--prompts", str(prompts), "--engine", "transformers", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", (rc, out, err)
+    [line] = err.strip().splitlines()
+    assert line.startswith("kvtier: error: ") and want in line, line
+    assert "internal error" not in line and "Traceback" not in err
+    if case == "no tokenizer":
+        assert line.endswith("give the prompts as prompt_token_ids instead, or add the tokenizer files")
+    if case == "empty model dir":
+        assert line.endswith("pass the directory the server loads (with its config.json and weights)")
