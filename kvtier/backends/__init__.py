@@ -20,7 +20,7 @@ from pathlib import Path
 from lmdb import Error as LmdbError
 
 from kvtier.backends.base import Backend, EntryInfo, PutItem, PutResult
-from kvtier.backends.lmdb_check import damaged_store
+from kvtier.backends.lmdb_check import unusable_store
 from kvtier.backends.payloads import PayloadStore
 from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
@@ -149,11 +149,7 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
     try:
         return _make_backend(root, config, readonly)
     except LmdbError as exc:
-        raise _damaged(root, exc) from None
-
-
-def _damaged(root: Path, exc: Exception) -> Exception:
-    return damaged_store(root, f"{type(exc).__name__}: {exc}")
+        raise unusable_store(root, exc) from None
 
 
 def adopt_settings(backend: Backend, config: CacheConfig) -> None:
@@ -214,6 +210,6 @@ def open_shared(config: CacheConfig, *, readonly: bool = False) -> tuple[StoreLo
         if lock is not None:
             lock.release()
         if isinstance(exc, LmdbError):
-            raise _damaged(config.path, exc) from None
+            raise unusable_store(config.path, exc) from None
         raise
     return lock, backend

@@ -19,6 +19,7 @@ damage done while processes have the environment open.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -36,6 +37,46 @@ _READ_WHOLE = 64 << 10
 # Results of successful checks in this process: (pid, path) -> the data file's identity.
 _CHECKED: dict[tuple[int, str], tuple[int, int, int]] = {}
 _CHECKED_LOCK = threading.Lock()
+
+
+# What the OS reports when a store's files are fine but cannot be used now: never damage.
+_NOT_DAMAGE = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EACCES: "access", errno.EPERM: "access",
+               errno.EROFS: "read-only", errno.ENOMEM: "memory"}
+
+
+def not_damage(exc: BaseException) -> str | None:
+    """What an error opening or writing an LMDB environment says about the system rather
+    than about its files: ``"full"``, ``"access"``, ``"read-only"`` or ``"memory"``; None for
+    anything else (py-lmdb reports most OS errors as a plain ``lmdb.Error`` naming them)."""
+    if isinstance(exc, lmdb.DiskError | lmdb.MapFullError):
+        return "full"
+    if isinstance(exc, lmdb.ReadonlyError):
+        return "access"
+    if isinstance(exc, OSError) and exc.errno in _NOT_DAMAGE:
+        return _NOT_DAMAGE[exc.errno]
+    if isinstance(exc, lmdb.Error):
+        text = str(exc)
+        return next((kind for code, kind in _NOT_DAMAGE.items() if os.strerror(code) in text), None)
+    return None
+
+
+def unusable_store(path: Path, exc: BaseException) -> Exception:
+    """The error for an LMDB failure at ``path``: what to do about a full disk, missing
+    permissions or memory, else :func:`damaged_store`."""
+    from kvtier.errors import StoreError
+
+    kind = not_damage(exc)
+    what = f"{type(exc).__name__}: {exc}"
+    if kind == "full":
+        return StoreError(f"{path}: no space left on the store's file system ({what}); free space "
+                          "(or lower disk_bytes), then retry")
+    if kind in ("access", "read-only"):
+        return StoreError(f"{path}: the store's files cannot be opened for what this process needs "
+                          f"({what}); LMDB needs write access to its lock files even to read: run as "
+                          "the store's owner, or grant write access to the store's directory")
+    if kind == "memory":
+        return StoreError(f"{path}: out of memory opening the store ({what})")
+    return damaged_store(path, what)
 
 
 def damaged_store(path: Path, reason: str) -> Exception:
@@ -159,7 +200,8 @@ def _main(argv: list[str]) -> int:
         walk(argv[-1])
     except lmdb.Error as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return _DAMAGED
+        # a full disk or missing permissions say nothing about the pages: not checked
+        return 1 if not_damage(exc) else _DAMAGED
     return 0
 
 

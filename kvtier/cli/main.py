@@ -9,7 +9,6 @@ malformed size or age, unknown namespace, unusable tokens file). Every failure i
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 import traceback
@@ -18,7 +17,7 @@ from pathlib import Path
 import lmdb
 
 import kvtier
-from kvtier.backends.lmdb_check import damaged_store
+from kvtier.backends.lmdb_check import not_damage, unusable_store
 from kvtier.cli import compact, evict, inspect, ls, prefetch, stats, verify, warmup
 from kvtier.cli._common import NotFoundError, Parser, UsageError
 from kvtier.errors import ConfigError, KVTierError, StoreDamaged
@@ -65,18 +64,8 @@ def _store_of(args: argparse.Namespace) -> str:
     return str(getattr(args, "store", None) or "the cache's store")
 
 
-# What a full file system looks like from LMDB or the OS. Not damage: nothing is wrong with
-# the store's files, and a retry with free space succeeds.
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_FULL_TEXTS = tuple(os.strerror(e) for e in _FULL_ERRNOS)  # py-lmdb has no class for EDQUOT
-
-
 def _is_full(exc: BaseException) -> bool:
-    if isinstance(exc, lmdb.DiskError | lmdb.MapFullError):
-        return True
-    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
-        return True
-    return isinstance(exc, lmdb.Error) and any(t in str(exc) for t in _FULL_TEXTS)
+    return not_damage(exc) == "full"
 
 
 def _no_space(args: argparse.Namespace, exc: BaseException) -> str | None:
@@ -114,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except (NotFoundError, KVTierError) as exc:
         return _fail(f"{exc}", 1)
     except lmdb.Error as exc:
-        full = _no_space(args, exc)
-        if full:
-            return _fail(full, 1)
-        return _fail(str(damaged_store(Path(_store_of(args)), f"{type(exc).__name__}: {exc}")), 1)
+        return _fail(_no_space(args, exc) or str(unusable_store(Path(_store_of(args)), exc)), 1)
     except BrokenPipeError:
         # The reader of our output went away (e.g. '| head'): stop quietly, status 1 as
         # rich does for its tables (stdout now goes nowhere so exit cannot fail on flush).

@@ -33,3 +33,32 @@ def test_store_is_owner_only(tmp_path: Path, backend: str, durability: str) -> N
     assert "kvtier-store.json" in names and "kvtier.lock" in names
     if backend == "lmdb":
         assert {"data.mdb", "lock.mdb"} <= names
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_a_store_on_a_read_only_file_system_is_not_called_damaged(tmp_path: Path, backend: str) -> None:
+    """A store whose files cannot be opened for writing (here: a file system mounted
+    read-only; likewise missing permissions) is refused saying so, never as a damaged store
+    to delete. Reading it still works."""
+    import subprocess
+
+    from kvhelpers import config, small_tmpfs
+
+    from kvtier import ChunkStore
+    from kvtier.errors import StoreDamaged, StoreError
+
+    with small_tmpfs(tmp_path, "16m") as mnt:
+        store = mnt / "s"
+        toks = tokens(1, CHUNK)
+        with open_cache(store, backend) as cache:
+            cache.save(toks, make_kv(toks))
+            assert cache.flush(30)
+        r = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
+        with pytest.raises(StoreError, match="cannot be opened for what this process needs") as exc:
+            ChunkStore(config(store, backend))
+        assert not isinstance(exc.value, StoreDamaged)
+        assert "Read-only file system" in str(exc.value)
+        with ChunkStore(config(store, backend), readonly=True) as ro:
+            assert ro.backend.usage()[0] == 1
