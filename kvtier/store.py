@@ -565,24 +565,29 @@ class ChunkStore:
         except Exception as exc:
             self._warn.warning("delete", "kvtier: could not remove corrupt record: %s", exc)
 
-    def load_many(self, keys: Sequence[bytes]) -> Iterator[Loaded]:
+    def load_many(self, keys: Sequence[bytes], ahead: Callable[[], int] | None = None) -> Iterator[Loaded]:
         """Load several chunks (into the host tier, as :meth:`load`) in parallel on the I/O
         pool; yield what happened to each, in order, as each is ready. Never raises for a
         storage fault (an unexpected exception in a load is an ``IO_ERROR``).
 
-        At most twice ``io_threads`` chunks are read ahead of the one the caller is at: the
-        I/O threads stay busy, and a long load holds a bounded number of buffers until the
-        caller is done with the earlier ones (a 128k-token prompt is gigabytes of KV)."""
+        At most twice ``io_threads`` chunks (or ``ahead()``, asked before each read starts:
+        several loads at once share that many) are read ahead of the one the caller is at:
+        the I/O threads stay busy, and a long load holds a bounded number of buffers until
+        the caller is done with the earlier ones (a 128k-token prompt is gigabytes of KV)."""
         if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
             # serial on a pool thread: waiting there for the same pool could deadlock
             for k in keys:
                 yield self._load_guarded(k)
             return
-        ahead = max(2, 2 * self.config.io_threads)
-        futures = collections.deque(self._loads.submit(self._load_guarded, k) for k in keys[:ahead])
-        for i in range(len(keys)):
-            if i + ahead < len(keys):  # the next read starts before this one is handed over
-                futures.append(self._loads.submit(self._load_guarded, keys[i + ahead]))
+        most = max(2, 2 * self.config.io_threads)
+        ahead = ahead or (lambda: most)
+        futures: collections.deque[Future[Loaded]] = collections.deque()
+        started = 0
+        for _ in range(len(keys)):
+            # this read and, before it is handed over, up to ahead() more
+            while started < len(keys) and (not futures or len(futures) <= max(1, ahead())):
+                futures.append(self._loads.submit(self._load_guarded, keys[started]))
+                started += 1
             yield futures.popleft().result()  # (no name keeps it here once handed over)
 
     def _load_guarded(self, key: bytes, out: torch.Tensor | None = None, *,

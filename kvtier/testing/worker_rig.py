@@ -108,13 +108,15 @@ def load_sync(worker, loads: list) -> None:  # noqa: ANN001
     worker.get_finished(set())  # the step's end: what has landed lets go of its buffers
 
 
-def wait_reported(worker, req_id: str, timeout: float = 120.0) -> None:  # noqa: ANN001
-    """Poll ``get_finished`` as vLLM's engine loop does until the asynchronous load of
-    ``req_id`` is reported received."""
+def wait_reported(worker, *req_ids: str, timeout: float = 120.0) -> None:  # noqa: ANN001
+    """Poll ``get_finished`` as vLLM's engine loop does until the asynchronous loads of
+    ``req_ids`` are reported received."""
     deadline = time.monotonic() + timeout
-    while req_id not in (worker.get_finished(set())[1] or ()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the asynchronous load of {req_id!r} was never reported")
+    waiting = set(req_ids)
+    while waiting:
+        waiting -= set(worker.get_finished(set())[1] or ())
+        if waiting and time.monotonic() > deadline:
+            raise TimeoutError(f"the asynchronous loads of {sorted(waiting)} were never reported")
 
 
 def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
@@ -162,7 +164,8 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
 
 
 def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001
-                        chunks: int, seed: int = 0, idle_s: float = 0.0, sync: bool = False) -> dict[str, object]:
+                        chunks: int, seed: int = 0, idle_s: float = 0.0, sync: bool = False,
+                        requests: int = 1) -> dict[str, object]:
     """Save ``chunks`` chunks of random KV (a few per step, as the write queue allows), let
     them go to disk, empty the host tier, then load them all back in one load into other
     blocks: asynchronous, polling ``get_finished`` as vLLM's engine loop does until the
@@ -171,8 +174,9 @@ def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geome
     the failed blocks, and the store's ``unpooled_loads`` (chunks that found no free pooled
     buffer). ``idle_s``: the engine makes no step for that long after the load starts (a long
     forward pass); ``idle_waiting`` is how many chunks then wait for their copies and
-    ``idle_done`` whether the load had finished reading. Needs ``g.num_blocks`` ≥ 2 ×
-    ``chunks`` × blocks per chunk."""
+    ``idle_done`` whether the load had finished reading. ``requests``: the chunks split
+    between that many asynchronous loads, all started in one step (``idle_*`` then describe
+    the first). Needs ``g.num_blocks`` ≥ 2 × ``chunks`` × blocks per chunk."""
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
     per_chunk = g.chunk_tokens // g.block_size
@@ -195,18 +199,20 @@ def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geome
     store.host.clear()
     before = store.counters.snapshot()["unpooled_loads"]
     dest = [list(range((chunks + i) * per_chunk, (chunks + i + 1) * per_chunk)) for i in range(chunks)]
-    spec = LoadSpec("a", [ChunkLoad((k,), i * g.chunk_tokens, g.chunk_tokens, 0, d)
-                          for i, (k, d) in enumerate(zip(keys, dest, strict=True))], sync=sync)
+    per_request = -(-chunks // requests)
+    specs = [LoadSpec(chr(ord("a") + r), [ChunkLoad((keys[i],), i * g.chunk_tokens, g.chunk_tokens, 0, dest[i])
+                                          for i in range(r * per_request, min(chunks, (r + 1) * per_request))],
+                      sync=sync) for r in range(requests)]
     idle: dict[str, object] = {}
     if sync:
-        load_sync(worker, [spec])
+        load_sync(worker, specs)
     else:
-        worker.start_loads(KVTierMetadata(loads=[spec]))
+        worker.start_loads(KVTierMetadata(loads=specs))
         if idle_s:
             time.sleep(idle_s)
             job = worker._loads["a"]
             idle = {"idle_waiting": job.arrived.qsize(), "idle_done": job.future.done()}
-        wait_reported(worker, "a")
+        wait_reported(worker, *(spec.req_id for spec in specs))
     failed = worker.take_load_errors()
     mismatches = [keys[i].hex()[:16] for i, d in enumerate(dest)
                   if not all(torch.equal(a, b) for a, b in zip(blocks(d), want[i], strict=True))]

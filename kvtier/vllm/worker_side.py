@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from queue import Empty, Full, Queue
+from queue import Empty, Queue
 
 import torch
 
@@ -71,9 +71,10 @@ class _LoadJob:
     through ``arrived``, in order, as it comes; the model's thread takes what has arrived at
     each look (``taken`` so far) and enqueues its copies. The job keeps no reference to a
     chunk it handed over: its buffer goes back to the pool once its copy is done, so a long
-    load cycles through a few buffers instead of holding one per chunk. ``arrived`` is
-    bounded: a reader ahead of the steps waits rather than fill the pool (a chunk that finds
-    no pooled buffer lands in new, pageable memory, whose copy to a GPU stalls the model)."""
+    load cycles through a few buffers instead of holding one per chunk. What all the jobs'
+    ``arrived`` queues hold together is bounded (``WorkerSide._arrived_slots``): a reader
+    ahead of the steps waits rather than fill the pool (a chunk that finds no pooled buffer
+    lands in new, pageable memory, whose copy to a GPU stalls the model)."""
     spec: LoadSpec
     res: _LoadResult
     arrived: Queue[tuple[ChunkLoad, torch.Tensor]]
@@ -103,6 +104,12 @@ class WorkerSide:
         host_chunks = int(store.config.host_bytes) // max(1, store.pool.chunk_bytes)
         io = store.config.io_threads
         self._arrived_max = max(io, (host_chunks - 2 * io - 2) // 2)
+        # Several asynchronous loads at once share those budgets (up to io_threads run at
+        # once): chunks read but not yet taken by this thread, and reads ahead of the reader.
+        self._arrived_slots = threading.Semaphore(self._arrived_max)
+        self._read_ahead = 2 * io
+        self._readers = 0  # asynchronous loads reading now
+        self._readers_lock = threading.Lock()
         self._closing = False
         self._load_signal = threading.Event()  # set by a reader when a chunk or a job is ready
         # block ids go to the device once per step, not per layer and chunk; a step's buffer
@@ -248,8 +255,8 @@ class WorkerSide:
             if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
                 sync.append(self._read_sync(spec))
             elif spec.req_id not in self._loads:
-                res, arrived = _LoadResult(), Queue(self._arrived_max)
-                future = self._pool.submit(self._read, spec, res, functools.partial(self._hand_over, arrived))
+                res, arrived = _LoadResult(), Queue()  # (bounded by _arrived_slots)
+                future = self._pool.submit(self._read_shared, spec, res, functools.partial(self._hand_over, arrived))
                 future.add_done_callback(lambda _: self._load_signal.set())
                 self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
         if sync:
@@ -289,8 +296,24 @@ class WorkerSide:
         if li is not None and li in self._layer_ready:
             self.copies.compute_waits_for(self._layer_ready.pop(li))
 
+    def _read_shared(self, spec: LoadSpec, res: _LoadResult,
+                     deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None]) -> _LoadResult:
+        """:meth:`_read` for an asynchronous load: the loads reading at once split the reads
+        ahead between them, so that together they hold no more pooled buffers than one
+        (beyond them a chunk lands in new memory: an allocation, and on a GPU a pageable copy
+        that stalls the model's thread)."""
+        with self._readers_lock:
+            self._readers += 1
+        try:
+            return self._read(spec, res, deliver,
+                              ahead=lambda: max(1, self._read_ahead // max(1, self._readers)))
+        finally:
+            with self._readers_lock:
+                self._readers -= 1
+
     def _read(self, spec: LoadSpec, res: _LoadResult,
-              deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None]) -> _LoadResult:
+              deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None],
+              ahead: Callable[[], int] | None = None) -> _LoadResult:
         """Read and verify a request's chunks (a background thread in async mode), handing
         each verified chunk to ``deliver`` as it arrives, in order; failures go to ``res``.
 
@@ -304,7 +327,7 @@ class WorkerSide:
         # every chunk is read and verified, in parallel on the store's I/O pool, even past a
         # bad one (unused then: the prefix is broken), so corrupt records are found and
         # removed now and the recomputed KV replaces them
-        results = self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks])
+        results = self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks], ahead)
         for i, chunk in enumerate(spec.chunks):  # (no zip: its reused tuple would keep a chunk)
             loaded = next(results)
             data = loaded.tensor
@@ -388,15 +411,13 @@ class WorkerSide:
     def _hand_over(self, arrived: Queue[tuple[ChunkLoad, torch.Tensor]],
                    item: tuple[ChunkLoad, torch.Tensor]) -> None:
         """(A reader thread.) Hand a verified chunk to the model's thread, waiting while as
-        many as allowed are waiting for their copies; give up if the worker closes."""
-        while True:
-            try:
-                arrived.put(item, timeout=0.05)
-                self._load_signal.set()
-                return
-            except Full:
-                if self._closing:
-                    raise RuntimeError("the worker closed during a load") from None
+        many as allowed (by all the loads together) are waiting for their copies; give up if
+        the worker closes."""
+        while not self._arrived_slots.acquire(timeout=0.05):
+            if self._closing:
+                raise RuntimeError("the worker closed during a load")
+        arrived.put(item)
+        self._load_signal.set()
 
     def _scatter_arrived(self) -> None:
         """Enqueue the copies of every chunk that arrived since the last call, for all the
@@ -413,6 +434,7 @@ class WorkerSide:
                     new.append(job.arrived.get_nowait())
                 except Empty:
                     break
+                self._arrived_slots.release()  # taken: its buffer is held until copied (_in_flight)
             job.taken += len(new)
             if done:
                 del self._loads[req_id]

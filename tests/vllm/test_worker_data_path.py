@@ -90,6 +90,23 @@ def test_a_load_reading_ahead_of_the_steps_waits_for_them(tmp_path: Path) -> Non
         worker.close()
 
 
+def test_several_loads_at_once_stay_in_the_pool_together(tmp_path: Path) -> None:
+    """As many asynchronous loads at once as there are I/O threads, during a long forward
+    pass (no step takes their chunks), with a pool as the defaults size it (32 chunks, 4 I/O
+    threads): together they read ahead and hold no more buffers than one load would, so no
+    chunk lands outside the pool (before, 12 of 48 did); bit-exact."""
+    g = Geometry(num_blocks=2 * 48 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=32 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=4)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        got = long_load_from_disk(store, worker, caches, g, chunks=48, idle_s=0.5, requests=4)
+        assert got["mismatches"] == [] and got["failed_blocks"] == []
+        assert got["unpooled_loads"] == 0
+        assert store.counters.snapshot()["hits_disk"] == 48
+        worker.close()
+
+
 def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/gpu_bench.py in its smoke size: it runs, loads what it saved (it asserts
     that), and its pool stays within its cap. (Whether the warm pass allocates depends on how
