@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,7 @@ _TMP.mkdir(exist_ok=True)
 os.environ.setdefault("VLLM_RPC_BASE_PATH", str(_TMP))
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # diskhelpers, for every folder
 
 
 @pytest.fixture

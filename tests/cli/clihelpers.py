@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,30 +159,3 @@ def run_main(capsys: Any, *args: object) -> Ran:
     rc = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return Ran(rc, out, err)
-
-
-@contextmanager
-def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` (e.g. "8m") mounted under ``parent``: a disk that really fills
-    (as tests/storage's ``small_tmpfs``). Needs root; skips the test otherwise."""
-    import pytest
-
-    mnt = parent / "small-disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to simulate a full disk (needs root): {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill_disk(where: Path) -> Path:
-    """Take every free byte of ``where``'s file system (a file the caller removes)."""
-    import shutil
-
-    filler = where / "someone-elses-data"
-    filler.write_bytes(bytes(shutil.disk_usage(where).free))
-    return filler

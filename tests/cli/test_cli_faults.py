@@ -22,11 +22,10 @@ from clihelpers import (
     cli,
     corrupt,
     entries,
-    fill_disk,
     one_line_error,
     run_main,
-    small_tmpfs,
 )
+from diskhelpers import fill_disk, small_tmpfs
 
 from kvtier.backends import Backend, PutItem, open_backend
 from kvtier.cli import verify as verify_cmd

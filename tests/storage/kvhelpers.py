@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from diskhelpers import small_tmpfs  # noqa: F401 - the storage tests' name for it
 
 from kvtier import CacheConfig, KVCache, Namespace
 from kvtier.keys import as_token_array, chain_seed, chunk_keys
@@ -264,24 +265,6 @@ def header_fields(record: bytes) -> dict[str, Any]:
     from kvtier import codec
 
     return dict(zip(FIELDS, codec._FIXED.unpack_from(record, 0), strict=True))
-
-
-@contextmanager
-def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` (e.g. "4m") mounted under ``parent``: a disk that really fills.
-    Needs root (the tests run as root here and in CI); skips the test otherwise."""
-    import pytest
-
-    mnt = parent / "small-disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to simulate a full disk (needs root): {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def skip_without_o_direct(where: Path) -> None:

@@ -277,11 +277,8 @@ def test_chunks_larger_than_the_write_queue_are_an_error(tiny_model: Path, tmp_p
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    """A real 4 MiB tmpfs: a disk that fills (the storage tests' helper)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "storage"))
-    from kvhelpers import small_tmpfs
+    """A real 4 MiB tmpfs: a disk that fills."""
+    from diskhelpers import small_tmpfs
 
     with small_tmpfs(tmp_path, "4m") as mnt:
         yield mnt

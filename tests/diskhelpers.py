@@ -1,0 +1,35 @@
+"""A disk that really fills, for every test folder (tests/conftest.py puts this folder on
+``sys.path``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+
+@contextmanager
+def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "4m") mounted under ``parent``: a disk that really fills.
+    Needs root (the tests run as root here and in CI); skips the test otherwise."""
+    mnt = parent / "small-disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to simulate a full disk (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_disk(where: Path) -> Path:
+    """Take every free byte of ``where``'s file system (a file the caller removes)."""
+    filler = where / "someone-elses-data"
+    filler.write_bytes(bytes(shutil.disk_usage(where).free))
+    return filler
