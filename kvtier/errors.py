@@ -28,6 +28,11 @@ class StoreDamaged(StoreError):
     what a miss can cover. The cache is disposable: move the directory away or delete it."""
 
 
+class StoreFull(StoreError):
+    """The store's file system (or its LMDB map) has no room for what opening or changing it
+    needs. Nothing is wrong with its files: free space and retry."""
+
+
 class RecordError(KVTierError):
     """A stored record failed validation (bad magic, header, length, shape or checksum)."""
 

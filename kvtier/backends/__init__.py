@@ -20,7 +20,7 @@ from pathlib import Path
 from lmdb import Error as LmdbError
 
 from kvtier.backends.base import Backend, EntryInfo, PutItem, PutResult
-from kvtier.backends.lmdb_check import unusable_store
+from kvtier.backends.lmdb_check import not_damage, unusable_store
 from kvtier.backends.payloads import PayloadStore
 from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
@@ -139,7 +139,12 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
     """Open (creating if allowed) the store at ``config.path`` with the configured backend."""
     root = config.path
     if create and not readonly and not (root / MARKER).exists():
-        _create_marker(root, config.backend)
+        try:
+            _create_marker(root, config.backend)
+        except OSError as exc:
+            if not_damage(exc) != "full":
+                raise
+            raise unusable_store(root, exc) from None
     info = read_marker(root)
     if info["backend"] != config.backend:
         raise StoreError(

@@ -40,14 +40,15 @@ _CHECKED_LOCK = threading.Lock()
 
 
 # What the OS reports when a store's files are fine but cannot be used now: never damage.
+# (Not ENOMEM: a damaged meta page makes LMDB map an impossible size and fail with it.)
 _NOT_DAMAGE = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EACCES: "access", errno.EPERM: "access",
-               errno.EROFS: "read-only", errno.ENOMEM: "memory"}
+               errno.EROFS: "read-only"}
 
 
 def not_damage(exc: BaseException) -> str | None:
     """What an error opening or writing an LMDB environment says about the system rather
-    than about its files: ``"full"``, ``"access"``, ``"read-only"`` or ``"memory"``; None for
-    anything else (py-lmdb reports most OS errors as a plain ``lmdb.Error`` naming them)."""
+    than about its files: ``"full"``, ``"access"`` or ``"read-only"``; None for anything
+    else (py-lmdb reports most OS errors as a plain ``lmdb.Error`` naming them)."""
     if isinstance(exc, lmdb.DiskError | lmdb.MapFullError):
         return "full"
     if isinstance(exc, lmdb.ReadonlyError):
@@ -63,19 +64,17 @@ def not_damage(exc: BaseException) -> str | None:
 def unusable_store(path: Path, exc: BaseException) -> Exception:
     """The error for an LMDB failure at ``path``: what to do about a full disk, missing
     permissions or memory, else :func:`damaged_store`."""
-    from kvtier.errors import StoreError
+    from kvtier.errors import StoreError, StoreFull
 
     kind = not_damage(exc)
     what = f"{type(exc).__name__}: {exc}"
     if kind == "full":
-        return StoreError(f"{path}: no space left on the store's file system ({what}); free space "
-                          "(or lower disk_bytes), then retry")
+        return StoreFull(f"{path}: no space left on the store's file system ({what}); free space "
+                         "(or lower disk_bytes), then retry")
     if kind in ("access", "read-only"):
         return StoreError(f"{path}: the store's files cannot be opened for what this process needs "
                           f"({what}); LMDB needs write access to its lock files even to read: run as "
                           "the store's owner, or grant write access to the store's directory")
-    if kind == "memory":
-        return StoreError(f"{path}: out of memory opening the store ({what})")
     return damaged_store(path, what)
 
 

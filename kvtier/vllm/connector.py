@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvtier.errors import ConfigError, KVTierError, StoreDamaged
+from kvtier.errors import ConfigError, KVTierError, StoreDamaged, StoreFull
 from kvtier.store import ChunkStore
 from kvtier.store_view import StoreView
 from kvtier.vllm.compat import startup_problem
@@ -131,7 +131,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         try:
             self._start(vllm_config, role, kv_cache_config)
-        except StoreDamaged as exc:  # a cache, not the server's business: serve without it
+        except (StoreDamaged, StoreFull) as exc:  # a cache, not the server's business: serve without it
             self._close_store()
             self._disable(str(exc))
         except (KVTierError, OSError):

@@ -76,6 +76,21 @@ def test_full_disk_keeps_serving_correctly(tiny_model: Path, tmp_path: Path,
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_a_store_on_a_full_disk_at_start_up_turns_the_connector_off(tiny_model: Path, tmp_path: Path,
+                                                                    baseline: list[list[int]]) -> None:
+    """A store that cannot even be opened because its disk is full is a cache problem, not
+    the server's: the connector says so in one line and the engine serves without it."""
+    from diskhelpers import fill_disk, small_tmpfs
+
+    with small_tmpfs(tmp_path, "1m") as mnt:
+        fill_disk(mnt)
+        with Engine(tiny_model, kv_transfer_config(mnt / "store")) as e:
+            got = e.generate(P, max_tokens=10)
+            reason = e.worker_connector.disabled_reason or e.scheduler_connector.disabled_reason
+    assert [r.tokens for r in got] == baseline
+    assert reason and "no space left" in reason and "damaged" not in reason
+
+
 @pytest.mark.parametrize("load_async", [True, False])
 def test_unknown_attention_backend_turns_worker_off_and_serves(
         tiny_model: Path, store_dir: Path, baseline: list[list[int]],
