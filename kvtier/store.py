@@ -371,11 +371,11 @@ class ChunkStore:
         """Record this process as a writer; if one was killed since (it never unregistered),
         sweep its orphan payloads in the background. A clean history costs no scan."""
         try:
-            dead = self.backend.index.register_writer()
+            dead, legacy_dead = self.backend.index.register_writer()
         except Exception as exc:  # housekeeping: never fatal
             self._warn.warning("sweep", "kvtier: registering as a writer failed: %s", exc)
             return
-        if dead:
+        if dead or legacy_dead:
             self._loads.submit(self._sweep_orphans, set(dead))
 
     def _sweep_orphans(self, gone_writers: set[int]) -> None:

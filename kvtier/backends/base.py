@@ -196,6 +196,8 @@ class Backend:
         and at once those of ``gone_writers`` (pids of this host's writers found dead); how
         many went."""
         n = 0
+        # a pid gone here may be a live writer's in another pid scope sharing the store
+        gone_writers = set(gone_writers or ()) - self.index.writers_elsewhere()
         for key, loc in list(iter_unreferenced(self.index, self.payloads.found(), grace_s, gone_writers)):
             self.payloads.remove_found(key, loc)
             n += 1

@@ -512,27 +512,48 @@ class StoreIndex:
     def _writer_prefix(self) -> bytes:
         return _WRITER + pid_scope()
 
-    def register_writer(self) -> list[int]:
-        """Record this process as a writer of the store; return the pids of writers on this
-        host that are gone without unregistering (killed: their unpublished payloads may be
-        left behind, which is when the orphan sweep has work)."""
+    def register_writer(self) -> tuple[list[int], bool]:
+        """Record this process as a writer of the store. Returns the pids of writers of this
+        pid scope that are gone without unregistering (killed: their unpublished payloads may
+        be left behind, which is when the orphan sweep has work), and whether rows of the
+        previous format (host only, before pid scopes) named a gone writer: the sweep then
+        has work too, by age only."""
         prefix = self._writer_prefix()
+        legacy = _WRITER + hashlib.sha256(socket.gethostname().encode()).digest()[:8]
         dead: list[int] = []
+        legacy_dead = False
         with _REGISTERED_LOCK:
             _REGISTERED[str(self.path)] = _REGISTERED.get(str(self.path), 0) + 1
         with self._write() as txn:
-            cur = txn.cursor(db=self._info)
-            if cur.set_range(prefix):
-                for k in list(cur.iternext(values=False)):
-                    k = bytes(k)
-                    if not k.startswith(prefix):
-                        break
-                    pid = int.from_bytes(k[len(prefix):], "little")
-                    if pid != os.getpid() and not pid_alive(pid):
-                        dead.append(pid)
-                        txn.delete(k, db=self._info)
+            for pid, key in self._writer_rows(txn, prefix):
+                if pid != os.getpid() and not pid_alive(pid):
+                    dead.append(pid)
+                    txn.delete(key, db=self._info)
+            for pid, key in self._writer_rows(txn, legacy):  # written by an earlier kvtier
+                legacy_dead = legacy_dead or not pid_alive(pid)
+                txn.delete(key, db=self._info)
             txn.put(prefix + os.getpid().to_bytes(4, "little"), _BE64.pack(time.time_ns()), db=self._info)
-        return dead
+        return dead, legacy_dead
+
+    def _writer_rows(self, txn: lmdb.Transaction, prefix: bytes) -> list[tuple[int, bytes]]:
+        """``(pid, row key)`` of the writers registered under ``prefix`` (a pid scope)."""
+        rows = []
+        cur = txn.cursor(db=self._info)
+        if cur.set_range(prefix):
+            for k in cur.iternext(values=False):
+                k = bytes(k)
+                if not k.startswith(prefix):
+                    break
+                rows.append((int.from_bytes(k[len(prefix):], "little"), k))
+        return rows
+
+    def writers_elsewhere(self) -> set[int]:
+        """Pids registered as writers under another pid scope (another host or container):
+        a payload carrying one of them may be a live writer's there, whatever pid it is here."""
+        mine = self._writer_prefix()
+        with self.env.txn() as txn:
+            rows = self._writer_rows(txn, _WRITER)  # (every scope: its pid is the key's last 4 bytes)
+        return {int.from_bytes(key[-4:], "little") for _, key in rows if not key.startswith(mine)}
 
     def unregister_writer(self) -> None:
         """This process closed the store cleanly: it left nothing unpublished (the record

@@ -24,12 +24,15 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from diskhelpers import small_tmpfs  # noqa: F401 - the storage tests' name for it
 
 from kvtier import CacheConfig, KVCache, Namespace
 from kvtier.keys import as_token_array, chain_seed, chunk_keys
 
 HERE = Path(__file__).resolve().parent
+# tests/diskhelpers.py; also where no conftest put it on the path (the zygote's processes)
+sys.path.insert(0, str(HERE.parent))
+from diskhelpers import small_tmpfs  # noqa: E402,F401 - the storage tests' name for it
+
 REPO = HERE.parent.parent
 WORKER = HERE / "_worker.py"
 

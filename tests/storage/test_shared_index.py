@@ -456,3 +456,26 @@ def test_temp_files_are_judged_by_their_writers_pid_only_where_that_pid_means_so
     with ChunkStore(config(store, "files")):
         pass
     assert sorted(f.name for f in tmp.iterdir()) == [other_young.name]
+
+
+def test_a_pid_found_dead_here_that_another_scope_registered_is_not_swept_at_once(tmp_path: Path,
+                                                                                  backend: str) -> None:
+    """Identical containers on one machine share a store and often the same pids: a writer
+    found dead in this pid scope may have the pid of a live one in another, whose fresh,
+    unpublished payload carries that pid too. It waits out the grace period."""
+    import subprocess
+
+    from kvtier.backends.index import _WRITER
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    pid = child.pid  # gone here
+    with ChunkStore(config(tmp_path / "s", backend)) as s:
+        b = s.backend
+        with b.index.env.txn(write=True) as txn:  # a writer of another container, same pid
+            txn.put(_WRITER + b"\x01" * 8 + pid.to_bytes(4, "little"), b"\0" * 8, db=b.index._info)
+        item = _item(_key("fresh"), 5)
+        fresh = (int(time.time()) << 32) | ((pid & ((1 << 22) - 1)) << 10)
+        assert b.payloads.write_many([item], [fresh]) == [None]
+        assert b.sweep_orphans(gone_writers={pid}) == 0
+        assert set(b.payloads.found()) == {(item.key, fresh)}
