@@ -71,6 +71,17 @@ def _cache_hit_source() -> Any:
     return getattr(CacheHitSource, "DISK", None) or getattr(CacheHitSource, "HOST", None)
 
 
+def _any_tp_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank of this worker's tensor-parallel group (a small
+    all-reduce on its CPU group; every rank calls it in the same steps: those with
+    synchronous loads, which the scheduler sends to every rank alike)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return bool(t.item())
+
+
 def _cpu_content_layout(layer: Any, g: Any, vllm_config: Any) -> str | torch.Tensor | None:
     """The CPU backend's KV layout for this engine's kernel ISA, found by writing known values
     through vLLM's own cache-write op (see :func:`kvtier.vllm.layout.probe_cpu_layout`)."""
@@ -239,8 +250,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         ns = build_namespace(str(self._vllm_config.model_config.model), g, self.settings.cache.chunk_tokens,
                              self._fingerprint, self._identity, rank,
                              int(self._vllm_config.parallel_config.tensor_parallel_size))
+        tp_size = int(self._vllm_config.parallel_config.tensor_parallel_size)
         try:
-            self._worker = WorkerSide(self._store, ns, names, kv_caches, content, g.block_size)
+            self._worker = WorkerSide(self._store, ns, names, kv_caches, content, g.block_size,
+                                      any_rank=_any_tp_rank if tp_size > 1 else None)
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return

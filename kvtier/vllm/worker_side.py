@@ -84,8 +84,12 @@ class _LoadJob:
 
 class WorkerSide:
     def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
-                 kv_caches: dict[str, torch.Tensor], content: Content, block_size: int) -> None:
+                 kv_caches: dict[str, torch.Tensor], content: Content, block_size: int,
+                 any_rank: Callable[[bool], bool] | None = None) -> None:
         self.store = store
+        # whether a flag is set on any tensor-parallel rank (every rank calls it in the same
+        # steps); None: this rank alone (tensor_parallel_size 1)
+        self._any_rank = any_rank
         self.namespace = namespace
         self.rank = namespace.tp_rank
         self.block_size = block_size
@@ -265,7 +269,16 @@ class WorkerSide:
             for res in sync:  # a synchronous load's failures are reported in its own step
                 res.loaded = []  # (held until copied: _in_flight)
                 self._report(res)
-            if any(res.failed_blocks for res in sync):
+            failed = any(res.failed_blocks for res in sync)
+            if self._any_rank is not None:
+                # a load that failed on one rank only still ran every rank's forward pass
+                # over unfilled blocks (the layers' outputs are summed across ranks)
+                try:
+                    failed = self._any_rank(failed)
+                except Exception as exc:  # cannot tell: assume it failed somewhere
+                    log.warning("kvtier: checking the other ranks' loads failed: %s", exc)
+                    failed = True
+            if failed:
                 self._unsafe_save_steps = UNSAFE_SAVE_STEPS
 
     def _read_sync(self, spec: LoadSpec) -> _LoadResult:

@@ -145,3 +145,32 @@ def test_a_step_checks_presence_once_and_skips_stored_chunks(tmp_path: Path) -> 
         stats = worker.take_stats()
         assert stats.get("save_skipped_chunks") == 1 and stats.get("save_chunks") == 2
         worker.close()
+
+
+def test_a_synchronous_load_that_failed_on_another_rank_discards_this_ranks_saves(tmp_path: Path) -> None:
+    """Tensor parallelism: a rank whose own synchronous load succeeded still discards the
+    saves of that step and the next when another rank's failed (the ranks' layer outputs are
+    summed, so every rank's KV was computed over the failed rank's unfilled blocks); the
+    step after those saves again."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, io_threads=2)
+    with ChunkStore(cfg) as store:
+        asked: list[bool] = []
+        worker, caches = make_worker(store, G, "kv_last", "cpu")
+        worker._any_rank = lambda failed: asked.append(failed) or True  # another rank's load failed
+        stored = os.urandom(32)
+        save_step(worker, caches, [SaveSpec("r", (stored,), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
+        assert store.flush(30)
+        load = LoadSpec("l", [ChunkLoad((stored,), 0, G.chunk_tokens, 0, list(range(PER_CHUNK, 2 * PER_CHUNK)))],
+                        sync=True)
+        worker.start_loads(KVTierMetadata(loads=[load]))
+        assert asked == [False] and not worker.take_load_errors()  # this rank's load was fine
+        keys = [os.urandom(32) for _ in range(3)]
+        for key in keys:  # the failed step, the next, and one after
+            save_step(worker, caches, [SaveSpec("s", (key,), 0, G.chunk_tokens,
+                                                list(range(2 * PER_CHUNK, 3 * PER_CHUNK)))])
+        assert store.flush(30)
+        assert store.backend.present_each(keys) == [False, False, True]
+        assert worker.take_stats()["save_unsafe_chunks"] == 2
+        worker.close()
