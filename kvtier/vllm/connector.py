@@ -13,6 +13,7 @@ settings stops start-up, with a message naming the setting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -278,6 +279,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         elif self._worker is None and self.has_connector_metadata():
             orphan = self._get_connector_metadata()
             if isinstance(orphan, KVTierMetadata):
+                tp_size = int(self._vllm_config.parallel_config.tensor_parallel_size)
+                if tp_size > 1 and any(spec.sync for spec in orphan.loads):
+                    with contextlib.suppress(Exception):  # the other ranks' workers ask: answer
+                        _any_tp_rank(True)
                 for spec in orphan.loads:
                     # every block fails; only an asynchronous load's request is waiting to
                     # be reported finished (vLLM asserts that of any it is told about)

@@ -254,32 +254,42 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------
     def start_loads(self, meta: KVTierMetadata) -> None:
         self._layer_ready.clear()
-        sync = []
         for spec in meta.loads:
-            if spec.sync:  # vLLM calls us before the forward pass that uses these blocks
-                sync.append(self._read_sync(spec))
-            elif spec.req_id not in self._loads:
+            if not spec.sync and spec.req_id not in self._loads:
                 res, arrived = _LoadResult(), Queue()  # (bounded by _arrived_slots)
                 future = self._pool.submit(self._read_shared, spec, res, functools.partial(self._hand_over, arrived))
                 future.add_done_callback(lambda _: self._load_signal.set())
                 self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
-        if sync:
-            # layer by layer: the first layers compute while later ones are still copied
-            self._scatter([(res, res.loaded) for res in sync], layer_events=True)
-            for res in sync:  # a synchronous load's failures are reported in its own step
-                res.loaded = []  # (held until copied: _in_flight)
-                self._report(res)
-            failed = any(res.failed_blocks for res in sync)
-            if self._any_rank is not None:
-                # a load that failed on one rank only still ran every rank's forward pass
-                # over unfilled blocks (the layers' outputs are summed across ranks)
-                try:
-                    failed = self._any_rank(failed)
-                except Exception as exc:  # cannot tell: assume it failed somewhere
-                    log.warning("kvtier: checking the other ranks' loads failed: %s", exc)
-                    failed = True
-            if failed:
-                self._unsafe_save_steps = UNSAFE_SAVE_STEPS
+        if any(spec.sync for spec in meta.loads):
+            failed = True  # unless the loads below are seen through
+            try:
+                failed = self._load_sync([spec for spec in meta.loads if spec.sync])
+            finally:  # every rank agrees in the same steps, whatever happened here
+                if self.any_rank_failed(failed):
+                    self._unsafe_save_steps = UNSAFE_SAVE_STEPS
+
+    def _load_sync(self, specs: list[LoadSpec]) -> bool:
+        """Read synchronous loads (vLLM calls us before the forward pass that uses their
+        blocks) and enqueue their copies layer by layer; whether any of it failed."""
+        sync = [self._read_sync(spec) for spec in specs]
+        # layer by layer: the first layers compute while later ones are still copied
+        self._scatter([(res, res.loaded) for res in sync], layer_events=True)
+        for res in sync:  # a synchronous load's failures are reported in its own step
+            res.loaded = []  # (held until copied: _in_flight)
+            self._report(res)
+        return any(res.failed_blocks for res in sync)
+
+    def any_rank_failed(self, failed: bool) -> bool:
+        """Whether a step's synchronous loads failed on this or any other tensor-parallel
+        rank: one rank's failure spoils every rank's KV of that step (the layers' outputs are
+        summed across ranks). Every rank calls this in the same steps."""
+        if self._any_rank is None:
+            return failed
+        try:
+            return self._any_rank(failed)
+        except Exception as exc:  # cannot tell: assume it failed somewhere
+            log.warning("kvtier: checking the other ranks' loads failed: %s", exc)
+            return True
 
     def _read_sync(self, spec: LoadSpec) -> _LoadResult:
         """A synchronous load's read, on this thread: whenever as many chunks as an

@@ -170,8 +170,8 @@ def _gate_loads(store: ChunkStore, n: int) -> list[threading.Event]:
     gates = [threading.Event() for _ in range(n)]
     real = store.load_many
 
-    def gated(keys):  # noqa: ANN001, ANN202
-        chunks = real(keys)
+    def gated(keys, ahead=None):  # noqa: ANN001, ANN202
+        chunks = real(keys, ahead)
         for gate in gates[: len(keys)]:  # (holds no chunk while it waits)
             assert gate.wait(60), "a test never opened a gate"
             yield next(chunks)
