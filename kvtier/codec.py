@@ -9,7 +9,9 @@ Layout (little-endian)::
 
 Every format version keeps the first three fields where they are and ends its header with
 the header's own checksum, so a record of another version whose header is intact is told
-apart from a damaged one (incompatible, kept) before anything else of it is read. A new
+apart from a damaged one (incompatible, kept) before anything else of it is read; one whose
+header is longer than the first ``MAX_HEADER_BYTES`` a reader hands over is kept too (one
+flipped bit in the version of a record of this version still fails the header checksum). A new
 codec, dtype or layout code needs a new format version: an unknown code in a header of this
 version is damage (or a crafted header), and is treated as such.
 
@@ -189,6 +191,11 @@ def decode_header(buf: bytes | memoryview, *, max_record_bytes: int = 1 << 30,
      created_ns, raw_len, payload_len, key, ns_id, checksum) = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise RecordError("bad magic: not a kvtier record")
+    if header_len > len(mv) and version != FORMAT_VERSION and header_len >= _FIXED.size + 8:
+        # a later version's longer header (what a reader hands over is the first
+        # MAX_HEADER_BYTES): its checksum cannot be read here, so nothing proves it damaged
+        raise IncompatibleRecord(f"record format version {version} (a {header_len}-byte header), "
+                                 f"this kvtier reads {FORMAT_VERSION}")
     if not _FIXED.size + 8 <= header_len <= len(mv):
         raise RecordError(f"bad header length {header_len}")
     (stored_hsum,) = _U64.unpack_from(mv, header_len - 8)

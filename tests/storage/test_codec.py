@@ -177,6 +177,13 @@ def test_other_format_version_is_incompatible_not_corrupt() -> None:
     future = head + codec._U64.pack(xxhash.xxh3_64_intdigest(head)) + rec[hl:]
     with pytest.raises(IncompatibleRecord, match="format version"):
         codec.decode(future)
+    # longer than the head a store's reader hands over (MAX_HEADER_BYTES): judged from it
+    f.update(header_len=codec.MAX_HEADER_BYTES + 64)
+    long_head = codec._FIXED.pack(*(f[n] for n in FIELDS)) + rec[codec._FIXED.size : hl - 8]
+    long_head += b"\7" * (codec.MAX_HEADER_BYTES + 56 - len(long_head))
+    longer = long_head + codec._U64.pack(xxhash.xxh3_64_intdigest(long_head)) + rec[hl:]
+    with pytest.raises(IncompatibleRecord, match="format version"):
+        codec.decode_header(longer[: codec.MAX_HEADER_BYTES], record_len=len(longer))
     damaged = bytearray(future)
     damaged[hl + 4] ^= 0x10  # in the later version's own header fields
     with pytest.raises(RecordError) as exc:
