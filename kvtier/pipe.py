@@ -43,6 +43,7 @@ _SKIP = b"KVTPIPE\x00SKIP"  # a place in the order whose message could not be st
 _SKIPPED = object()
 _NS = b"kvtier-kv-pipe\x00\x00"  # the records' namespace field (16 bytes)
 _POLL_S = (0.0005, 0.05)  # recv polls from 0.5 ms, backing off to 50 ms
+_HEAD_CHECK_S = 0.25  # while waiting, how often a receiver looks whether a later place was taken
 # Advance a counter to ARGV[1] unless it is there already (or past): a retried advance, after
 # a reply lost to a timeout, is then a no-op instead of a second step.
 _ADVANCE_LUA = """
@@ -75,6 +76,7 @@ class KVPipe:
         # (head seen, when): every place below that head was taken by then; one still empty
         # skip_after_s later is given up on (its send failed without leaving a skip marker)
         self._gap: tuple[int, float] | None = None
+        self._head_seen_at = 0.0  # when _given_up last read the head
         # a message taken whose tail advance failed: (seq, key, outcome), handed out next time
         self._pending: tuple[int, bytes, object] | None = None
         self._counts = {"received": 0, "skipped": 0, "damaged": 0}
@@ -187,6 +189,9 @@ class KVPipe:
         several producers and a slow store. Absent for other reasons, the wait goes on."""
         now = time.monotonic()
         if self._gap is None or seq >= self._gap[0]:
+            if now - self._head_seen_at < _HEAD_CHECK_S:  # an idle wait need not double the polls
+                return False
+            self._head_seen_at = now
             try:
                 head = self._store.peek_seq("head")
             except OSError:

@@ -268,12 +268,8 @@ class Backend:
         return self.index.settings()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def compact(self) -> int:
-        """Shrink on-disk files where possible (the caller holds the store exclusively)."""
-        return self.payloads.compact() + self.index.env.compact()
-
     def lmdb_envs(self) -> list[EnvHandle]:
-        """The store's LMDB environments (for page statistics)."""
+        """The store's LMDB environments (page statistics; ``kvtier compact`` compacts each)."""
         extra = getattr(self.payloads, "env", None)
         return [self.index.env] + ([extra] if isinstance(extra, EnvHandle) else [])
 

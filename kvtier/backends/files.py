@@ -209,7 +209,7 @@ class FilePayloads(PayloadStore):
         """Write ``it`` to a temp file: with O_DIRECT from ``record`` (the record in place,
         see ``_in_place``) or through a staging buffer from ``free``; buffered if the
         filesystem refuses O_DIRECT."""
-        # unique within the process (its pid first: dead writers' temps are swept by it)
+        # unique (pid scope and pid first: _remove_dead_temps judges a temp by them)
         tmp = str(self._tmp / f"{_TEMP_SCOPE}-{os.getpid()}-{next(_TEMP_SEQ)}-{it.key.hex()[:16]}.tmp")
         try:
             if self._direct_write is not False:

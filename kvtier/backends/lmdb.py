@@ -186,8 +186,5 @@ class LmdbPayloads(PayloadStore):
     def remove_found(self, key: bytes, location: int) -> None:
         self._remove([(key, location)])
 
-    def compact(self) -> int:
-        return self.env.compact()
-
     def close(self) -> None:
         self.env.close()

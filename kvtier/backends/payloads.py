@@ -89,10 +89,6 @@ class PayloadStore(abc.ABC):
     def after_fork_in_child(self) -> None:  # noqa: B027 - optional hook
         """Runs in a forked child: replace locks and threads the parent owns."""
 
-    def compact(self) -> int:
-        """Give unused space back to the filesystem where possible; bytes reclaimed."""
-        return 0
-
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files and maps."""
 

@@ -322,9 +322,9 @@ class WorkerSide:
     def _read_shared(self, spec: LoadSpec, res: _LoadResult,
                      deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None]) -> _LoadResult:
         """:meth:`_read` for an asynchronous load: the loads reading at once split the reads
-        ahead between them, so that together they hold no more pooled buffers than one
-        (beyond them a chunk lands in new memory: an allocation, and on a GPU a pageable copy
-        that stalls the model's thread)."""
+        ahead between them, so that together they hold about as many pooled buffers as one
+        (each keeps the read it waits for; beyond the pool a chunk lands in new memory: an
+        allocation, and on a GPU a pageable copy that stalls the model's thread)."""
         with self._readers_lock:
             self._readers += 1
         try:
