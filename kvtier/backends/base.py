@@ -145,10 +145,9 @@ class Backend:
         (a full disk, for LMDB) is tried again with the next removal: nothing names it, so
         nothing else would ever free its space (the orphan sweep runs only after a crash)."""
         with self._unremoved_lock:
-            entries, self._unremoved = self._unremoved + entries, []
-        if not entries:
-            return
-        kept = self.payloads.delete(entries)
+            retry, self._unremoved = self._unremoved, []
+        # the retries apart: one that keeps failing must not hold back the new removals
+        kept = (self.payloads.delete(retry) if retry else []) + (self.payloads.delete(entries) if entries else [])
         if kept:
             with self._unremoved_lock:
                 self._unremoved = (self._unremoved + kept)[-_MAX_UNREMOVED:]

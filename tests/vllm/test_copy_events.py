@@ -187,6 +187,18 @@ def _wait_for(cond, what: str) -> None:  # noqa: ANN001
         time.sleep(0.005)
 
 
+def test_the_save_fence_is_not_left_to_the_next_steps_first_hook() -> None:
+    """The compute stream waits for a step's save copies right after its forward pass
+    (``wait_for_save``), as the test above checks; the connector leaves ``handle_preemptions``
+    to vLLM's default, since model runner V2 zeroes and copies the next step's blocks before
+    calling it (a wait enqueued there could let a gather read an overwritten block)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvtier.vllm.connector import KVTierConnector
+
+    assert KVTierConnector.handle_preemptions is KVConnectorBase_V1.handle_preemptions
+
+
 def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
     """The copies of a load's first chunks are enqueued while its later chunks are still
     being read (on a GPU they overlap those reads); the request is reported only once every
