@@ -115,6 +115,8 @@ class StoreLock:
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
+            if not_damage(exc) == "full":  # (the lock file's inode, on a full disk)
+                raise unusable_store(root, exc) from None
             if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not path.exists():
                 raise
             # flock needs no write access: a user who may only read the store (or a read-only
@@ -154,6 +156,10 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
     try:
         return _make_backend(root, config, readonly)
     except LmdbError as exc:
+        raise unusable_store(root, exc) from None
+    except OSError as exc:  # (creating its directories on a full disk)
+        if not_damage(exc) != "full":
+            raise
         raise unusable_store(root, exc) from None
 
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except (UsageError, ConfigError) as exc:
         return _fail(f"{exc}", 2)
-    except StoreDamaged as exc:  # opening wraps any LMDB error as damage, a full disk too
+    except StoreDamaged as exc:  # (a full disk under damage: the page check's own report)
         return _fail(_no_space(args, exc) or f"{exc}", 1)
     except (NotFoundError, KVTierError) as exc:
         return _fail(f"{exc}", 1)

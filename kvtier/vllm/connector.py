@@ -145,7 +145,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._start(vllm_config, role, kv_cache_config)
         except (StoreDamaged, StoreFull) as exc:  # a cache, not the server's business: serve without it
             self._close_store()
-            self._disable(str(exc))
+            if self.role == KVConnectorRole.SCHEDULER:
+                self._disable(str(exc))
+            else:  # (a worker may fail where its scheduler did not: say so there too)
+                self._disable_worker(str(exc))
         except (KVTierError, OSError):
             raise  # the user's settings or store path: they must see it and fix it
         except IdentityUnavailable as exc:

@@ -254,19 +254,24 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------
     def start_loads(self, meta: KVTierMetadata) -> None:
         self._layer_ready.clear()
+        sync = [spec for spec in meta.loads if spec.sync]
+        if sync:
+            failed = True  # unless the loads below are seen through
+            try:
+                failed = self._load_sync(sync)
+            except Exception as exc:  # a fault kvtier did not foresee: recompute, never fail the step
+                log.warning("kvtier: a synchronous load failed: %s; its blocks are recomputed", exc)
+                self._layer_ready.clear()
+                self._load_errors.update(b for spec in sync for chunk in spec.chunks for b in chunk.block_ids)
+            finally:  # every rank agrees in the same steps, whatever happened here
+                if self.any_rank_failed(failed):
+                    self._unsafe_save_steps = UNSAFE_SAVE_STEPS
         for spec in meta.loads:
             if not spec.sync and spec.req_id not in self._loads:
                 res, arrived = _LoadResult(), Queue()  # (bounded by _arrived_slots)
                 future = self._pool.submit(self._read_shared, spec, res, functools.partial(self._hand_over, arrived))
                 future.add_done_callback(lambda _: self._load_signal.set())
                 self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
-        if any(spec.sync for spec in meta.loads):
-            failed = True  # unless the loads below are seen through
-            try:
-                failed = self._load_sync([spec for spec in meta.loads if spec.sync])
-            finally:  # every rank agrees in the same steps, whatever happened here
-                if self.any_rank_failed(failed):
-                    self._unsafe_save_steps = UNSAFE_SAVE_STEPS
 
     def _load_sync(self, specs: list[LoadSpec]) -> bool:
         """Read synchronous loads (vLLM calls us before the forward pass that uses their

@@ -54,3 +54,41 @@ def test_disk_full_drops_and_counts_saves(tmpfs: Path, backend: str) -> None:
         assert cache.stats()["dropped_saves"] > 0
     leftovers = [p for p in store.rglob("*.tmp")]
     assert not leftovers, f"temp files left on the full disk: {leftovers}"
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+@pytest.mark.parametrize("lock_file_there", [False, True])
+def test_a_store_its_disk_has_no_room_to_open_is_full_not_damaged(tmp_path: Path, backend: str,
+                                                                    lock_file_there: bool) -> None:
+    """A file system with no inode left for the store's own files (its lock file) or
+    directories (its index), its marker written before: opening says the disk is full
+    (``StoreFull``: a server then serves without the cache) rather than raising a plain
+    OSError (which stops the server)."""
+    import subprocess
+
+    from kvhelpers import config
+
+    from kvtier import ChunkStore
+    from kvtier.backends import StoreLock, _create_marker
+    from kvtier.errors import StoreFull
+
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=64", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        store = mnt / "s"
+        _create_marker(store, backend)
+        if lock_file_there:
+            StoreLock(store).release()
+        n = 0
+        try:
+            while True:  # someone else's files take every inode left
+                (mnt / f"other-{n}").touch()
+                n += 1
+        except OSError:
+            pass
+        with pytest.raises(StoreFull, match="no space left"):
+            ChunkStore(config(store, backend))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

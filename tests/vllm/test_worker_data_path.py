@@ -174,3 +174,28 @@ def test_a_synchronous_load_that_failed_on_another_rank_discards_this_ranks_save
         assert store.backend.present_each(keys) == [False, False, True]
         assert worker.take_stats()["save_unsafe_chunks"] == 2
         worker.close()
+
+
+def test_a_synchronous_load_that_raises_fails_its_blocks_instead_of_the_step(tmp_path: Path) -> None:
+    """A fault kvtier did not foresee while reading a synchronous load (here the store's
+    reader raises) must not leave start_load_kv, which would stop vLLM's engine: the load's
+    blocks are reported failed (vLLM recomputes them) and the step's saves are discarded."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, G, "kv_last", "cpu")
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("an unforeseen fault")
+
+        store.load_many = broken  # type: ignore[method-assign]
+        dest = list(range(PER_CHUNK, 2 * PER_CHUNK))
+        worker.start_loads(KVTierMetadata(loads=[LoadSpec("l", [ChunkLoad((os.urandom(32),), 0, G.chunk_tokens, 0,
+                                                                           dest)], sync=True)]))
+        assert worker.take_load_errors() == set(dest)
+        key = os.urandom(32)
+        save_step(worker, caches, [SaveSpec("s", (key,), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
+        assert store.flush(30)
+        assert store.backend.present_each([key]) == [False]
+        worker.close()
