@@ -90,8 +90,8 @@ class CacheConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("durability", self.durability, DURABILITY)
         _choice("compression", self.compression, COMPRESSION)
-        _positive_int("chunk_tokens", self.chunk_tokens)
-        _positive_int("io_threads", self.io_threads)
+        positive_int("chunk_tokens", self.chunk_tokens)
+        positive_int("io_threads", self.io_threads)
         if not isinstance(self.direct_reads, bool):
             raise ConfigError(f"direct_reads: must be true or false, got {self.direct_reads!r}")
         if isinstance(self.compression_level, bool) or not isinstance(self.compression_level, int) or not 1 <= self.compression_level <= 22:
@@ -146,6 +146,6 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
-def _positive_int(name: str, value: object) -> None:
+def positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name}: must be a positive integer, got {value!r}")

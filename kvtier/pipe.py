@@ -174,6 +174,8 @@ class KVPipe:
             wait = min(wait * 2, _POLL_S[1])
         header, pieces = got
         if header == _SKIP:  # the producer failed to store this one: skip it
+            log.warning("kvtier pipe %r: a message was marked skipped by its sender (its send failed)",
+                        self.name)
             return _SKIPPED
         if header == _NONE:
             return None

@@ -585,7 +585,7 @@ class ChunkStore:
         started = 0
         for _ in range(len(keys)):
             # this read and, before it is handed over, up to ahead() more
-            while started < len(keys) and (not futures or len(futures) <= max(1, ahead())):
+            while started < len(keys) and len(futures) <= max(1, ahead()):
                 futures.append(self._loads.submit(self._load_guarded, keys[started]))
                 started += 1
             yield futures.popleft().result()  # (no name keeps it here once handed over)

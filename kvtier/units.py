@@ -42,10 +42,7 @@ def parse_size(value: int | str, setting: str = "size") -> int:
                 "number with a unit: K, M, G, T (binary) or KB, MB, GB, TB (decimal), e.g. 50G"
             )
         f = float(m.group(1)) * _SIZE_UNITS[unit]
-        if not math.isfinite(f) or f > MAX_SIZE:
-            raise ConfigError(f"{setting}: {_shown(value)} is too large a size; use at most 8 EiB "
-                              "(e.g. 50G or 2T)")
-        n = int(f)
+        n = int(f) if math.isfinite(f) else MAX_SIZE + 1  # (no int of inf)
     if n < 0:
         raise ConfigError(f"{setting}: must not be negative, got {value!r}")
     if n > MAX_SIZE:

@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # (not 'import lmdb': the submodule kvtier.backends.lmdb would shadow that name here)
@@ -113,10 +115,9 @@ class StoreLock:
     def __init__(self, root: Path, exclusive: bool = False) -> None:
         path = root / LOCKFILE
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            with _full_disk_as_store_full(root):  # (the lock file's inode)
+                self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
-            if not_damage(exc) == "full":  # (the lock file's inode, on a full disk)
-                raise unusable_store(root, exc) from None
             if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not path.exists():
                 raise
             # flock needs no write access: a user who may only read the store (or a read-only
@@ -140,24 +141,28 @@ class StoreLock:
 def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = True) -> Backend:
     """Open (creating if allowed) the store at ``config.path`` with the configured backend."""
     root = config.path
-    if create and not readonly and not (root / MARKER).exists():
-        try:
+    with _full_disk_as_store_full(root):  # (its marker, its directories)
+        if create and not readonly and not (root / MARKER).exists():
             _create_marker(root, config.backend)
-        except OSError as exc:
-            if not_damage(exc) != "full":
-                raise
+        info = read_marker(root)
+        if info["backend"] != config.backend:
+            raise StoreError(
+                f"{root}: store was created with backend {info['backend']!r}, config asks for "
+                f"{config.backend!r}; set backend={info['backend']!r} or use another path"
+            )
+        try:
+            return _make_backend(root, config, readonly)
+        except LmdbError as exc:
             raise unusable_store(root, exc) from None
-    info = read_marker(root)
-    if info["backend"] != config.backend:
-        raise StoreError(
-            f"{root}: store was created with backend {info['backend']!r}, config asks for "
-            f"{config.backend!r}; set backend={info['backend']!r} or use another path"
-        )
+
+
+@contextmanager
+def _full_disk_as_store_full(root: Path) -> Iterator[None]:
+    """An OSError that says the disk is full becomes :class:`StoreFull` (a server then serves
+    without the cache); any other passes unchanged (a wrong path: the user must see it)."""
     try:
-        return _make_backend(root, config, readonly)
-    except LmdbError as exc:
-        raise unusable_store(root, exc) from None
-    except OSError as exc:  # (creating its directories on a full disk)
+        yield
+    except OSError as exc:
         if not_damage(exc) != "full":
             raise
         raise unusable_store(root, exc) from None

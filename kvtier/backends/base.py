@@ -34,7 +34,7 @@ from kvtier.backends.index import (
     iter_unreferenced,
     new_location,
 )
-from kvtier.backends.lmdb_check import damaged_store
+from kvtier.backends.lmdb_check import unusable_store
 from kvtier.backends.lmdb_env import EnvHandle
 from kvtier.backends.payloads import PayloadStore, PutItem
 from kvtier.codec import RecordReader
@@ -258,7 +258,7 @@ class Backend:
             try:
                 self.index.register_namespace(namespace_id, description)
             except lmdb.Error as exc:  # at start-up, like opening: a damaged index is refused
-                raise damaged_store(self.root, f"{type(exc).__name__}: {exc}") from None
+                raise unusable_store(self.root, exc) from None  # (a full disk is no damage)
 
     def namespaces(self) -> dict[bytes, dict[str, object]]:
         return self.index.namespaces()

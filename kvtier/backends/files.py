@@ -134,11 +134,10 @@ class FilePayloads(PayloadStore):
         """Delete temp files of writers that no longer run (a killed writer's leftovers): of
         this pid scope, once their pid is gone; of another (a container sharing the store,
         whose pids mean nothing here), once older than the orphan grace period."""
-        scope = pid_scope().hex()
         for f in os.scandir(self._tmp):
             parts = f.name.split("-", 2)
             try:
-                if len(parts) == 3 and parts[0] == scope and parts[1].isdigit():
+                if len(parts) == 3 and parts[0] == _TEMP_SCOPE and parts[1].isdigit():
                     gone = not pid_alive(int(parts[1]))
                 else:
                     gone = time.time() - f.stat().st_mtime > ORPHAN_GRACE_S

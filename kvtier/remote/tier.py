@@ -129,6 +129,19 @@ class DamagedRemoteRecord(RecordError):
 
 
 @dataclass
+class _Read:
+    """What one key's manifest and parts were found to be (:meth:`RemoteTier._read`); what
+    to do about it is the caller's: a load misses and cleans up, the KV pipe raises."""
+
+    record: RemoteRecord | None = None  # all of it, not yet verified
+    manifest: bytes | None = None  # the manifest value read, if one was
+    damage: RecordError | None = None  # the manifest is unreadable (IncompatibleRecord: another version's)
+    part_names: list[str] | None = None  # as the manifest names them
+    missing_part: bool = False  # a part is gone (evicted)
+    error: object = None  # an error reply (a slot moving, a loading server): may be whole later
+
+
+@dataclass
 class _Queued:
     key: bytes
     header: bytes
@@ -254,44 +267,62 @@ class RemoteTier:
         not yet verified: pass them to :func:`kvtier.codec.decode_pieces`, and a record that
         fails there to :meth:`discard_corrupt`."""
         out: list[RemoteRecord | None] = [None] * len(keys)
-        names = [manifest_name(k) for k in keys]
         try:
-            routes = self.nodes.route(names)
+            routes = self.nodes.route([manifest_name(k) for k in keys])
         except NodeUnavailable as exc:
             self._unavailable("a load", exc)
             return out
         for node, client, idx in routes:
             try:
-                manifests = self.nodes.run(node, client, lambda p, idx=idx: [p.get(names[i]) for i in idx])
-                wanted: list[tuple[int, bytes, list[str]]] = []
-                for i, value in zip(idx, manifests, strict=True):
-                    if not isinstance(value, bytes):
-                        continue  # absent, or the command failed on the server: a miss
-                    try:
-                        header, _, parts, wid = unpack_manifest(value)
-                    except IncompatibleRecord:
-                        continue  # another kvtier version's: a miss, kept
-                    except RecordError as exc:
-                        self.discard_corrupt(keys[i], exc, value)
-                        continue
-                    wanted.append((i, value, header, [part_name(keys[i], wid, j) for j in range(parts)]))
-                if not wanted:
-                    continue
-                replies = self.nodes.run(node, client, lambda p, w=wanted: [p.get(n) for *_, ns in w for n in ns])
+                reads = self._read(node, client, [keys[i] for i in idx])
             except NodeUnavailable as exc:
                 self._unavailable("a load", exc)
                 continue
-            at = 0
-            for i, manifest, header, part_names in wanted:
-                pieces = replies[at : at + len(part_names)]
-                at += len(part_names)
-                if all(isinstance(p, bytes) for p in pieces):
-                    out[i] = RemoteRecord(header, pieces, part_names, manifest)
-                elif any(p is None for p in pieces):  # a part was evicted: the chunk is gone
+            for i, r in zip(idx, reads, strict=True):
+                out[i] = r.record
+                if r.damage is not None and not isinstance(r.damage, IncompatibleRecord):
+                    self.discard_corrupt(keys[i], r.damage, r.manifest)
+                elif r.missing_part:  # the chunk is gone
                     self.counters.add(remote_incomplete=1)
-                    self.delete(keys[i], expect=manifest)
-                # else an error reply (a slot moving, a busy server): a miss, nothing deleted
+                    self.delete(keys[i], expect=r.manifest)
+                # absent, another version's, or an error reply: a miss, nothing deleted
         return out
+
+    def _read(self, node: str, client: object, keys: list[bytes]) -> list[_Read]:
+        """Read ``keys``' manifests, then the parts they name, from one node in two pipelined
+        round trips; judge nothing but what was found (no counter, no delete)."""
+        names = [manifest_name(k) for k in keys]
+        reads = [_Read() for _ in keys]
+        manifests = self.nodes.run(node, client, lambda p: [p.get(n) for n in names])
+        wanted: list[tuple[_Read, bytes]] = []
+        for key, r, value in zip(keys, reads, manifests, strict=True):
+            if value is None:
+                continue
+            if not isinstance(value, bytes):
+                r.error = value
+                continue
+            r.manifest = value
+            try:
+                header, _, parts, wid = unpack_manifest(value)
+            except RecordError as exc:  # IncompatibleRecord too
+                r.damage = exc
+                continue
+            r.part_names = [part_name(key, wid, j) for j in range(parts)]
+            wanted.append((r, header))
+        if not wanted:
+            return reads
+        replies = self.nodes.run(node, client, lambda p: [p.get(n) for r, _ in wanted for n in r.part_names])
+        at = 0
+        for r, header in wanted:
+            pieces = replies[at : at + len(r.part_names)]
+            at += len(r.part_names)
+            if any(piece is None for piece in pieces):
+                r.missing_part = True
+            elif all(isinstance(piece, bytes) for piece in pieces):
+                r.record = RemoteRecord(header, pieces, r.part_names, r.manifest)
+            else:
+                r.error = next(piece for piece in pieces if not isinstance(piece, bytes))
+        return reads
 
     def fetch_checked(self, key: bytes) -> RemoteRecord | None:
         """One record, for a caller that must tell "absent" from "there but unusable" (the KV
@@ -306,28 +337,19 @@ class RemoteTier:
             if not routes:
                 raise OSError(f"remote tier {self.address.describe()}: no node serves {name}")
             ((node, client, _),) = routes
-            (value,) = self.nodes.run(node, client, lambda p: p.get(name))
-            if value is None:
-                return None
-            if not isinstance(value, bytes):  # an error reply (a slot moving, a loading server)
-                raise OSError(f"remote tier {self.address.describe()}: {value}")
-            try:
-                header, _, parts, wid = unpack_manifest(value)
-            except RecordError as exc:  # IncompatibleRecord too: unreadable here all the same
-                self.counters.add(remote_corrupt=1)
-                raise DamagedRemoteRecord(f"remote manifest unreadable: {exc}", None) from exc
-            part_names = [part_name(key, wid, j) for j in range(parts)]
-            pieces = self.nodes.run(node, client, lambda p: [p.get(n) for n in part_names])
+            (r,) = self._read(node, client, [key])
         except NodeUnavailable as exc:
             self._unavailable("a load", exc)
             raise OSError(f"remote tier {self.address.describe()} unavailable ({exc})") from exc
-        if any(piece is None for piece in pieces):
+        if r.damage is not None:  # unreadable here, whichever version wrote it
+            self.counters.add(remote_corrupt=1)
+            raise DamagedRemoteRecord(f"remote manifest unreadable: {r.damage}", None) from r.damage
+        if r.missing_part:
             self.counters.add(remote_incomplete=1)
-            raise DamagedRemoteRecord("a part of the record is missing (evicted?)", part_names)
-        for piece in pieces:
-            if not isinstance(piece, bytes):  # an error reply: the record may be whole, later
-                raise OSError(f"remote tier {self.address.describe()}: {piece}")
-        return RemoteRecord(header, pieces, part_names, value)
+            raise DamagedRemoteRecord("a part of the record is missing (evicted?)", r.part_names)
+        if r.error is not None:  # the record may be whole, later
+            raise OSError(f"remote tier {self.address.describe()}: {r.error}")
+        return r.record
 
     def purge(self, key: bytes) -> None:
         """Delete a record whose manifest cannot be read, with every part stored under its key

@@ -125,6 +125,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
         # A cache miss must never fail a request: vLLM reads this right after creating us.
         ktc.kv_load_failure_policy = self.settings.load_failure_policy
@@ -196,10 +197,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         fingerprints = self.settings.cache.path / "fingerprints.json"
         self._fingerprint = model_fingerprint(vllm_config, self.settings.weights_fingerprint, fingerprints)
         if role == KVConnectorRole.SCHEDULER:
-            tp = int(vllm_config.parallel_config.tensor_parallel_size)
             namespaces = [build_namespace(str(vllm_config.model_config.model), geometry,
                                           self.settings.cache.chunk_tokens, self._fingerprint,
-                                          self._identity, r, tp) for r in range(tp)]
+                                          self._identity, r, self._tp_size) for r in range(self._tp_size)]
             loras = LoraFingerprints(fingerprints, getattr(vllm_config.load_config, "download_dir", None))
             self._sched = SchedulerSide(self._view, namespaces, geometry.block_size, loras,
                                         can_load=self._can_load, can_save=self._can_save,
@@ -253,11 +253,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank()
         ns = build_namespace(str(self._vllm_config.model_config.model), g, self.settings.cache.chunk_tokens,
                              self._fingerprint, self._identity, rank,
-                             int(self._vllm_config.parallel_config.tensor_parallel_size))
-        tp_size = int(self._vllm_config.parallel_config.tensor_parallel_size)
+                             self._tp_size)
         try:
             self._worker = WorkerSide(self._store, ns, names, kv_caches, content, g.block_size,
-                                      any_rank=_any_tp_rank if tp_size > 1 else None)
+                                      any_rank=_any_tp_rank if self._tp_size > 1 else None)
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return
@@ -282,8 +281,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         elif self._worker is None and self.has_connector_metadata():
             orphan = self._get_connector_metadata()
             if isinstance(orphan, KVTierMetadata):
-                tp_size = int(self._vllm_config.parallel_config.tensor_parallel_size)
-                if tp_size > 1 and any(spec.sync for spec in orphan.loads):
+                if self._tp_size > 1 and any(spec.sync for spec in orphan.loads):
                     with contextlib.suppress(Exception):  # the other ranks' workers ask: answer
                         _any_tp_rank(True)
                 for spec in orphan.loads:

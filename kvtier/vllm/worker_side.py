@@ -50,9 +50,10 @@ UNSAFE_SAVE_STEPS = 2
 @dataclass
 class _Staged:
     spec: SaveSpec
-    buf: torch.Tensor | None  # None: nothing to copy (already stored, no buffer free, unsafe)
-    dropped: bool = False  # no buffer was free: the save is dropped (counted by the store)
-    unsafe: bool = False  # computed over a failed synchronous load: discarded
+    buf: torch.Tensor | None  # None: nothing to copy, for the reason ``skipped`` counts
+    # with no buffer: "save_skipped_chunks" (stored already), "save_dropped_chunks" (no buffer
+    # was free; the store counts it too), "save_unsafe_chunks" (see UNSAFE_SAVE_STEPS)
+    skipped: str = "save_skipped_chunks"
     idx: torch.Tensor | None = None  # its block ids on the device (this step's upload)
 
 
@@ -163,11 +164,11 @@ class WorkerSide:
         staged = []
         for spec, there in zip(meta.saves, stored, strict=True):
             if unsafe or there:
-                staged.append(_Staged(spec, None, unsafe=unsafe))
+                staged.append(_Staged(spec, None, "save_unsafe_chunks" if unsafe else "save_skipped_chunks"))
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
             buf = self.store.buffer(shape, self.dtype)
-            staged.append(_Staged(spec, buf, dropped=buf is None))
+            staged.append(_Staged(spec, buf, "save_dropped_chunks"))
         copying = [st for st in staged if st.buf is not None]
         self._staged_index = self._save_index.take()
         for st, idx in zip(copying, self._staged_index.upload([st.spec.block_ids for st in copying]), strict=True):
@@ -233,8 +234,7 @@ class WorkerSide:
         ready = event.synchronize if event is not None else None  # the writer thread waits on it
         for s in staged:
             if s.buf is None:
-                outcome = "save_unsafe_chunks" if s.unsafe else "save_dropped_chunks" if s.dropped else "save_skipped_chunks"
-                self._bump(**{outcome: 1})
+                self._bump(**{s.skipped: 1})
                 continue
             if not store:
                 self._bump(save_dropped_chunks=1)
@@ -334,7 +334,7 @@ class WorkerSide:
             self._readers += 1
         try:
             return self._read(spec, res, deliver,
-                              ahead=lambda: max(1, self._read_ahead // max(1, self._readers)))
+                              ahead=lambda: self._read_ahead // max(1, self._readers))
         finally:
             with self._readers_lock:
                 self._readers -= 1

@@ -59,13 +59,13 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
     The store settings ``config`` leaves out are those the store has recorded (see
     :func:`with_store_settings`), never defaults that would replace the servers' own.
     """
+    from kvtier.config import positive_int
     from kvtier.errors import ConfigError
     from kvtier.vllm.settings import ConnectorSettings
 
     if engine not in ENGINES:
         raise ConfigError(f"engine: must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ConfigError(f"block_size: must be a positive integer, got {block_size!r}")
+    positive_int("block_size", block_size)
     errors: list[PromptError] = []
     if not isinstance(prompts, list):
         prompts, errors = read_prompts(prompts)

@@ -99,6 +99,7 @@ def test_a_failed_send_does_not_stall_the_fifo(tmp_path: Path) -> None:
         p.send_tensor(torch.ones(4))
         assert p.recv_tensor(timeout=2).tolist() == [1.0] * 4  # the failed one is skipped
         assert len(calls) == 3  # the failed message, its skip marker, the next message
+        assert p.stats() == {"received": 1, "skipped": 1, "damaged": 0}
 
 
 def test_unsupported_tensors_are_refused_before_taking_a_place(tmp_path: Path) -> None:
