@@ -129,18 +129,19 @@ def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: s
                 ids = list(p.token_ids) if p.token_ids is not None else hf.tokenize(p.text or "")
                 extras = RequestExtras(cache_salt=p.cache_salt)
                 refs = cache.chunks(ids, extras)
-                new = [r for r, there in zip(refs, cache.store.present_each([r.key for r in refs]), strict=True)
-                       if not there]
-                saved = _save_in_slices(cache, ids, hf.kv(ids), extras) if new else None
+                before = cache.store.present_each([r.key for r in refs])
+                saved = _save_in_slices(cache, ids, hf.kv(ids), extras) if not all(before) else None
             except hf_engine.WarmupRefused:
                 raise
             except Exception as exc:  # one prompt's failure does not stop the others
                 report.errors.append(f"line {p.line}: {type(exc).__name__}: {exc}")
                 continue
             if saved is not None:
-                # what the store's index holds now, not what was handed to it
-                report.chunks_stored += sum(cache.store.present_each([r.key for r in new]))
-                problem = _not_stored(cache, refs, saved)
+                # what the store's index holds now, not what was handed to it (the store's own
+                # answer counts saves still queued, which a hung disk may never write)
+                after = cache.store.backend.present_each([r.key for r in refs])
+                report.chunks_stored += sum(now and not was for was, now in zip(before, after, strict=True))
+                problem = _not_stored(cache, len(refs), after.count(False), saved)
                 if problem:
                     report.errors.append(f"line {p.line}: {problem}")
                     if saved.timed_out:  # the disk hangs: every further prompt would wait as long
@@ -191,16 +192,15 @@ def _save_in_slices(cache: Any, ids: list[int], kv: Any, extras: Any) -> _Saved:
                   timed_out, chunk_bytes)
 
 
-def _not_stored(cache: Any, refs: list[Any], saved: _Saved) -> str | None:
-    """What went wrong, if some of a prompt's chunks are not in the store after its save,
-    and what to do about it; None if every chunk is there."""
+def _not_stored(cache: Any, chunks: int, missing: int, saved: _Saved) -> str | None:
+    """What went wrong, if ``missing`` of a prompt's ``chunks`` are not in the store after
+    its save, and what to do about it; None if every chunk is there."""
     import shutil
 
-    missing = sum(not there for there in cache.store.present_each([r.key for r in refs]))
     if not missing:
         return None
     config = cache.store.config
-    what = f"{missing} of {len(refs)} chunk(s) not stored"
+    what = f"{missing} of {chunks} chunk(s) not stored"
     if saved.timed_out:
         return (f"{what}: the store did not finish writing within {FLUSH_TIMEOUT_S:.0f} s (a hung or very "
                 "slow disk); check the disk, then run the warm-up again")

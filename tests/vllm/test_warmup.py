@@ -275,6 +275,34 @@ def test_chunks_larger_than_the_write_queue_are_an_error(tiny_model: Path, tmp_p
         "warm-up again"]
 
 
+def test_a_store_that_does_not_finish_writing_ends_the_warm_up(tiny_model: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that hangs (the store's writes block for longer than the flush waits; the
+    wait is shortened here): the prompt is reported with what to do, and the prompts after it
+    are not run, since each would wait as long."""
+    import threading
+
+    import kvtier.warmup as warmup_module
+    from kvtier.backends.base import Backend
+
+    disk_back = threading.Event()
+    real = Backend.put_many
+
+    def hung(self: Backend, items: list) -> object:
+        disk_back.wait(30)
+        return real(self, items)
+
+    monkeypatch.setattr(Backend, "put_many", hung)
+    monkeypatch.setattr(warmup_module, "FLUSH_TIMEOUT_S", 0.5)
+    threading.Timer(3.0, disk_back.set).start()  # the disk recovers later: the store closes
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}, {"prompt_token_ids": PROMPTS[0]}])
+    report = warmup(str(tiny_model), prompts, engine="transformers", block_size=32, **F32,
+                    config={"path": str(tmp_path / "store")})
+    assert report.prompts == 0 and len(report.errors) == 2, report.errors
+    assert report.errors[0].startswith("line 1: ") and "did not finish writing within 0 s" in report.errors[0]
+    assert report.errors[1] == "not run: the 1 prompt(s) after line 1"
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A real 4 MiB tmpfs: a disk that fills."""
