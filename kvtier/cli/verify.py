@@ -10,7 +10,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from kvtier.backends import Backend
+from kvtier.backends import Backend, EntryInfo
 from kvtier.cli._common import (
     add_command,
     add_json_arg,
@@ -77,34 +77,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_json_arg(p)
 
 
-def _status(backend: Backend, key: bytes) -> tuple[str, str, int]:
-    """``(kind, why, record bytes)`` with kind ok, gone, corrupt, incompatible or unreadable."""
+def _status(backend: Backend, entry: EntryInfo) -> tuple[str, str, int]:
+    """``(kind, why, record bytes)`` of this version of a record, with kind ok, gone,
+    corrupt, incompatible or unreadable."""
     try:
-        header = check_record(backend, key)
+        header = backend.read_entry(entry, lambda view: check_record(backend, entry.key, view))
     except RECORD_PROBLEMS as exc:
         return (*problem(exc), 0)
     if header is None:
         return "gone", "", 0
     return "ok", "", header.record_len
-
-
-def _remove_if_corrupt(backend: Backend, key: bytes) -> int | None:
-    """Remove ``key``'s current version if it is (still) corrupt; its bytes, or None if it
-    was not removed.
-
-    A writer may have replaced the record since it was checked: check it again, then remove
-    exactly the version checked (a version saved after this check stays)."""
-    entry = backend.lookup(key)
-    if entry is None:
-        return None
-    try:
-        if backend.read_entry(entry, lambda view: check_record(backend, key, view)) is None:
-            return None  # its payload went meanwhile
-    except RECORD_PROBLEMS as exc:
-        if problem(exc)[0] != "corrupt":  # only proven corruption removes a record
-            return None
-        return entry.size if backend.delete_entry(entry) else None
-    return None  # verifies now: a writer replaced it
 
 
 def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
@@ -114,8 +96,9 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
         entries = snapshot(st.backend)
         with progress("verifying", enabled=show_progress) as bar:
             task = bar.add_task("verify", total=len(entries), status="")
+            corrupt: list[EntryInfo] = []
             for e in entries:
-                kind, why, nbytes = _status(st.backend, e.key)
+                kind, why, nbytes = _status(st.backend, e)
                 if kind == "ok":
                     rep.ok += 1
                     rep.bytes_checked += nbytes
@@ -124,13 +107,14 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
                 else:
                     getattr(rep, kind)[e.key] = why
                     rep.bytes_checked += e.size
+                    if kind == "corrupt":
+                        corrupt.append(e)
                 bar.advance(task)
-        if remove and rep.corrupt:
-            for key in rep.corrupt:
-                removed = _remove_if_corrupt(st.backend, key)
-                if removed is not None:
+        if remove:
+            for e in corrupt:  # exactly the version found corrupt: one a writer saved since stays
+                if st.backend.delete_entry(e):
                     rep.removed += 1
-                    rep.removed_bytes += removed
+                    rep.removed_bytes += e.size
     rep.seconds = time.monotonic() - start
     return rep
 
