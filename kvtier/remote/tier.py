@@ -414,7 +414,7 @@ class RemoteTier:
             self.counters.add(remote_dropped=len(items))
             return 0
         for node, client, idx in routes:
-            todo: list[int] = []
+            todo = list(idx)  # what a failure drops: all, then only those not there already
             commands: list[tuple[int, bytes]] = []  # per item of todo: (commands, manifest)
             try:
                 there = self.nodes.run(node, client, lambda p, idx=idx: [p.exists(names[i]) for i in idx])
@@ -425,7 +425,7 @@ class RemoteTier:
                     self._add_sets(p, items[i]) for i in todo))
             except NodeUnavailable as exc:
                 self._unavailable("a save", exc)
-                self.counters.add(remote_dropped=len(todo) if todo else len(idx))
+                self.counters.add(remote_dropped=len(todo))
                 continue
             # one item's replies are its parts' SETs then its manifest's: judge each item by
             # its own, so one refused command drops one chunk, not the whole pipeline
