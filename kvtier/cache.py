@@ -16,7 +16,6 @@ rounded down to ``tail_granularity`` tokens, so an exact re-sent sequence hits i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +65,7 @@ class KVCache:
     def open(cls, path: str | Path, namespace: Namespace, config: CacheConfig | None = None,
              *, tail_granularity: int = 16, readonly: bool = False) -> KVCache:
         """Open (creating if needed) the store at ``path`` for ``namespace``."""
-        cfg = replace(config, path=Path(path)) if config else CacheConfig(
+        cfg = config.replaced(path=Path(path)) if config else CacheConfig(
             path=Path(path), chunk_tokens=namespace.chunk_tokens)
         store = ChunkStore(cfg, readonly=readonly)
         try:

@@ -57,8 +57,28 @@ class CacheConfig:
     remote_part_bytes: int | str = "4M"
     remote_queue_bytes: int | str = "256M"
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> CacheConfig:
+        # Which settings the caller chose (by position or name), as opposed to defaults: a
+        # writer records only those in a store shared with others (see ``chosen``).
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        self._chosen = frozenset(names[:len(args)]) | frozenset(kwargs)
+        return self
+
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def chosen(self) -> frozenset[str]:
+        """The settings given when this config was made (the others are defaults)."""
+        return self._chosen
+
+    def replaced(self, **changes: Any) -> CacheConfig:
+        """A copy with ``changes``, keeping which settings were chosen (``dataclasses.replace``
+        would count every setting as chosen)."""
+        new = dataclasses.replace(self, **changes)
+        new._chosen = self._chosen | frozenset(changes)
+        return new
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], where: str = "kvtier config",

@@ -169,10 +169,14 @@ def _full_disk_as_store_full(root: Path) -> Iterator[None]:
 
 
 def adopt_settings(backend: Backend, config: CacheConfig) -> None:
-    """Record a writer's settings in the store (the newest writer's values hold for all)."""
+    """Record a writer's settings in the store: those its config chose, and any the store has
+    not recorded yet. A setting left at its default never replaces a recorded one, so a
+    process opened with only a path (a restarted server, a second one, a tool) keeps the
+    budget the servers set; a chosen value holds for all (the newest choice wins)."""
     mine = {k: getattr(config, k) for k in STORED_SETTINGS}
-    old = backend.index.set_settings(mine)
-    changed = {k: (old[k], v) for k, v in mine.items() if k in old and old[k] != v}
+    chosen = {k: v for k, v in mine.items() if k in config.chosen}
+    old = backend.index.set_settings(chosen, defaults=mine)
+    changed = {k: (old[k], v) for k, v in chosen.items() if k in old and old[k] != v}
     if changed:
         log.warning("kvtier: %s: store settings changed by this process: %s", config.path,
                     ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))

@@ -318,11 +318,16 @@ class StoreIndex:
             raise PermissionError("store opened read-only")
         return self.env.txn(write=True)
 
-    def set_settings(self, settings: dict[str, object]) -> dict[str, object]:
-        """Merge ``settings`` into the store's; return what they were before."""
+    def set_settings(self, settings: dict[str, object], defaults: dict[str, object] | None = None
+                     ) -> dict[str, object]:
+        """Merge ``settings`` into the store's, and ``defaults`` where the store has no value
+        yet (one transaction: two first writers cannot both miss a value); return what they
+        were before."""
         with self._write() as txn:
             old = _json_object(txn.get(_SETTINGS_KEY, db=self._info))
-            txn.put(_SETTINGS_KEY, json.dumps({**old, **settings}, sort_keys=True).encode(), db=self._info)
+            new = json.dumps({**(defaults or {}), **old, **settings}, sort_keys=True).encode()
+            if new != txn.get(_SETTINGS_KEY, db=self._info):
+                txn.put(_SETTINGS_KEY, new, db=self._info)
         return old
 
     def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:

@@ -90,9 +90,9 @@ def with_store_settings(config: dict[str, Any] | None) -> dict[str, Any]:
     store exists: its backend, and every shared setting (``disk_bytes``, ``compression``,
     ``durability``, ...) ``config`` leaves out, as the store recorded it.
 
-    Every writer records its settings in the store and the newest writer's values hold for
-    all (eviction reads ``disk_bytes`` from the store), so a warm-up opened with defaults would
-    impose them on every server sharing the store. Values given in ``config`` still win."""
+    Warm-up must write as the servers do: the same ``chunk_tokens`` (else its keys are not
+    theirs), backend and compression. Values given in ``config`` still win, and are recorded
+    for every process (see :func:`kvtier.backends.adopt_settings`)."""
     from kvtier.backends import MARKER, STORED_SETTINGS, read_marker, stored_config
     from kvtier.vllm.settings import ConnectorSettings
 

@@ -274,6 +274,35 @@ def test_settings_are_stored_with_the_store(tmp_path: Path, backend: str, caplog
         assert roomy.store.backend.occupied() <= 200 << 10
 
 
+def test_a_writer_opened_with_defaults_keeps_the_stores_settings(
+        tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A server restarted (or a second one started) with only a path must not replace the
+    budget the servers chose with the 64G default: every writer evicts down to the store's
+    budget, so that would throw most of a large store away."""
+    from kvtier.backends import stored_config
+    from kvtier.vllm.settings import ConnectorSettings
+
+    store = tmp_path / "s"
+    with open_cache(store, backend, disk_bytes="3M", compression="zstd"):
+        pass
+    only_path = ConnectorSettings.from_extra_config(
+        {"path": str(store), "backend": backend, "chunk_tokens": CHUNK}).cache
+    assert only_path.disk_bytes == 64 << 30 and "disk_bytes" not in only_path.chosen
+    with caplog.at_level("WARNING", logger="kvtier"), ChunkStore(only_path) as st:
+        assert st.backend.budget() == 3 << 20
+    assert "settings changed" not in caplog.text
+    cfg = stored_config(store, backend)
+    assert (cfg.disk_bytes, cfg.compression) == (3 << 20, "zstd")
+    # chosen settings survive a copy with another path (what KVCache.open makes)
+    assert config(store, backend).replaced(path=tmp_path / "t").chosen == {
+        "path", "backend", "chunk_tokens", "io_threads"}
+    # a new store records the first writer's values, defaults included (tools read them)
+    fresh = tmp_path / "fresh"
+    with ChunkStore(config(fresh, backend)):
+        pass
+    assert stored_config(fresh, backend).disk_bytes == 64 << 30
+
+
 def test_orphan_payloads_of_a_killed_writer_are_swept(tmp_path: Path, backend: str) -> None:
     """A payload written but never published (its writer died before the index commit) is
     invisible, and the sweep removes it once it is older than the grace period."""
