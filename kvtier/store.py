@@ -27,6 +27,7 @@ import torch
 from kvtier import codec, forksafe
 from kvtier.backends import PutItem, open_shared
 from kvtier.backends.base import EntryInfo, most_recent
+from kvtier.backends.index import WRITER_BEAT_S
 from kvtier.backends.payloads import ViewReader, oversized
 from kvtier.background import RateLimitedLog, take_batch, wait_while
 from kvtier.buffer_pool import BufferPool, ResultMemory
@@ -155,6 +156,7 @@ class ChunkStore:
         self._handoff: list | None = None  # a prepared batch (and its records) for the committer
         self._committing = False
         self._writer_done = False
+        self._next_beat = float("inf")  # set by the registration, which follows
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="kvtier-committer", daemon=True)
         if not self.readonly:
@@ -234,16 +236,20 @@ class ChunkStore:
                     # recent uses go to the index with a batch, or while the committer is
                     # idle: not one index commit per load while a batch is being written
                     while not (self._can_take() or (self._touched and not self._committing)
-                               or (self._closed and not self._queue)):
+                               or (self._closed and not self._queue)
+                               or time.monotonic() >= self._next_beat):
                         self._cv.wait(1.0)
                     if self._closed and not self._queue:
                         return
+                    beat_due = time.monotonic() >= self._next_beat
                     batch = take_batch(self._queue, self.config.commit_bytes) if self._can_take() else []
                     self._inflight += len(batch)
                     self._taken_bytes += sum(p.nbytes for p in batch)
                     touched: dict[bytes, int] = {}
                     if batch or not self._committing:
                         touched, self._touched = self._touched, {}
+                if beat_due:  # idle or not: a writer whose row goes stale counts as gone
+                    self._beat(self.backend.index.beat)
                 if touched:  # first: the next commit's eviction must see these recent uses
                     self._apply_touches(touched)
                 if batch:
@@ -370,13 +376,19 @@ class ChunkStore:
     def _register_writer(self) -> None:
         """Record this process as a writer; if one was killed since (it never unregistered),
         sweep its orphan payloads in the background. A clean history costs no scan."""
+        self._beat(self.backend.index.register_writer)
+
+    def _beat(self, beat: Callable[[], list[int] | None]) -> None:
+        """Register or refresh this writer (see :meth:`StoreIndex.beat`), and sweep the
+        orphans of any writer found gone, on a load thread (a scan of every payload)."""
+        self._next_beat = time.monotonic() + WRITER_BEAT_S
         try:
-            dead, legacy_dead = self.backend.index.register_writer()
+            gone = beat()
         except Exception as exc:  # housekeeping: never fatal
-            self._warn.warning("sweep", "kvtier: registering as a writer failed: %s", exc)
+            self._warn.warning("sweep", "kvtier: recording this writer in the index failed: %s", exc)
             return
-        if dead or legacy_dead:
-            self._loads.submit(self._sweep_orphans, set(dead))
+        if gone is not None:
+            self._loads.submit(self._sweep_orphans, set(gone))
 
     def _sweep_orphans(self, gone_writers: set[int]) -> None:
         try:

@@ -134,6 +134,11 @@ _PID_MASK = (1 << 22) - 1
 # How old an unreferenced payload (or temp file) of a writer not known dead must be before
 # it is removed: a live writer's stays unreferenced between its write and its index commit.
 ORPHAN_GRACE_S = 600.0
+# A writer refreshes its registration this often; one not refreshed for WRITER_STALE_S is
+# gone. By then everything it wrote is older than the grace period, so an age sweep takes
+# it all (the margin covers the beat it missed and some clock skew between hosts).
+WRITER_BEAT_S = 60.0
+WRITER_STALE_S = ORPHAN_GRACE_S + 2 * WRITER_BEAT_S
 _SEQ = itertools.count()
 
 
@@ -517,39 +522,52 @@ class StoreIndex:
     def _writer_prefix(self) -> bytes:
         return _WRITER + pid_scope()
 
-    def register_writer(self) -> tuple[list[int], bool]:
-        """Record this process as a writer of the store. Returns the pids of writers of this
-        pid scope that are gone without unregistering (killed: their unpublished payloads may
-        be left behind, which is when the orphan sweep has work), and whether rows of the
-        previous format (host only, before pid scopes) named a gone writer: the sweep then
-        has work too, by age only."""
-        prefix = self._writer_prefix()
-        legacy = _WRITER + hashlib.sha256(socket.gethostname().encode()).digest()[:8]
-        dead: list[int] = []
-        legacy_dead = False
+    def register_writer(self) -> list[int] | None:
+        """Record this process as a writer of the store (see :meth:`beat`, whose answer this
+        is). A clean close unregisters it: only a killed writer leaves its row behind."""
         with _REGISTERED_LOCK:
             _REGISTERED[str(self.path)] = _REGISTERED.get(str(self.path), 0) + 1
-        with self._write() as txn:
-            for pid, key in self._writer_rows(txn, prefix):
-                if pid != os.getpid() and not pid_alive(pid):
-                    dead.append(pid)
-                    txn.delete(key, db=self._info)
-            for pid, key in self._writer_rows(txn, legacy):  # written by an earlier kvtier
-                legacy_dead = legacy_dead or not pid_alive(pid)
-                txn.delete(key, db=self._info)
-            txn.put(prefix + os.getpid().to_bytes(4, "little"), _BE64.pack(time.time_ns()), db=self._info)
-        return dead, legacy_dead
+        return self.beat()
 
-    def _writer_rows(self, txn: lmdb.Transaction, prefix: bytes) -> list[tuple[int, bytes]]:
-        """``(pid, row key)`` of the writers registered under ``prefix`` (a pid scope)."""
+    def beat(self) -> list[int] | None:
+        """Refresh this process's writer row (its writer thread does so every
+        :data:`WRITER_BEAT_S`, idle or not), and judge the other rows. A writer is gone when
+        its pid is gone (only within this pid scope, where the pid means something) or when
+        its row was not refreshed for :data:`WRITER_STALE_S` (in any scope: a killed
+        container's writer, whose pid namespace no longer exists; a reused pid). Gone rows
+        are deleted. Returns None if no writer was found gone, else the pids of those found
+        gone here, whose unpublished payloads may be swept at once (the others' go by age:
+        every one of them is older than the grace period by then)."""
+        mine = self._writer_prefix() + os.getpid().to_bytes(4, "little")
+        now = time.time_ns()
+        dead: list[int] = []
+        found = False
+        with self._write() as txn:
+            for pid, key, beat_ns in self._writer_rows(txn, _WRITER):
+                if key == mine:
+                    continue
+                stale = now - beat_ns > WRITER_STALE_S * 1e9
+                here = key.startswith(self._writer_prefix()) and not pid_alive(pid)
+                if here or stale:
+                    found = True
+                    if here:
+                        dead.append(pid)
+                    txn.delete(key, db=self._info)
+            txn.put(mine, _BE64.pack(now), db=self._info)
+        return dead if found else None
+
+    def _writer_rows(self, txn: lmdb.Transaction, prefix: bytes) -> list[tuple[int, bytes, int]]:
+        """``(pid, row key, last beat in ns)`` of the writers registered under ``prefix``
+        (a pid scope, or all); a row whose time cannot be read counts as never refreshed."""
         rows = []
         cur = txn.cursor(db=self._info)
         if cur.set_range(prefix):
-            for k in cur.iternext(values=False):
+            for k, v in cur:
                 k = bytes(k)
                 if not k.startswith(prefix):
                     break
-                rows.append((int.from_bytes(k[len(prefix):], "little"), k))
+                beat_ns = _BE64.unpack(v)[0] if len(v) == _BE64.size else 0
+                rows.append((int.from_bytes(k[-4:], "little"), k, beat_ns))
         return rows
 
     def writers_elsewhere(self) -> set[int]:
@@ -557,8 +575,8 @@ class StoreIndex:
         a payload carrying one of them may be a live writer's there, whatever pid it is here."""
         mine = self._writer_prefix()
         with self.env.txn() as txn:
-            rows = self._writer_rows(txn, _WRITER)  # (every scope: its pid is the key's last 4 bytes)
-        return {int.from_bytes(key[-4:], "little") for _, key in rows if not key.startswith(mine)}
+            rows = self._writer_rows(txn, _WRITER)
+        return {pid for pid, key, _ in rows if not key.startswith(mine)}
 
     def unregister_writer(self) -> None:
         """This process closed the store cleanly: it left nothing unpublished (the record
@@ -600,8 +618,8 @@ def iter_unreferenced(index: StoreIndex, found: Iterable[tuple[bytes, int]], gra
                       gone_writers: set[int] | None = None) -> Iterator[tuple[bytes, int]]:
     """Payloads ``(key, location)`` no index entry names, older than ``grace_s`` (a live
     writer's younger payload may be between its write and its index commit) or written by
-    one of ``gone_writers`` (pids of this host's writers found dead, see
-    :meth:`StoreIndex.register_writer`). Never judged by whether a pid is alive here: the
+    one of ``gone_writers`` (pids of this pid scope's writers found dead, see
+    :meth:`StoreIndex.beat`). Never judged by whether a pid is alive here: the
     writer may be in another pid namespace (a container) sharing the store."""
     for key, loc in found:
         if ((location_age_s(loc) > grace_s or location_written_by(loc, gone_writers or set()))

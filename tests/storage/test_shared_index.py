@@ -350,6 +350,81 @@ def test_a_killed_writer_is_swept_after_and_a_clean_history_costs_no_scan(
         assert s.backend.sweep_orphans(gone_writers={rep["writer"]}) == 1
 
 
+def _writer_row(index: object, scope: bytes, pid: int, beat_s: float) -> bytes:
+    """Register a writer of pid scope ``scope`` whose row was last refreshed at ``beat_s``."""
+    from kvtier.backends.index import _BE64, _WRITER
+
+    key = _WRITER + scope + pid.to_bytes(4, "little")
+    with index.env.txn(write=True) as txn:  # type: ignore[attr-defined]
+        txn.put(key, _BE64.pack(int(beat_s * 1e9)), db=index._info)  # type: ignore[attr-defined]
+    return key
+
+
+def _writer_keys(index: object) -> set[bytes]:
+    from kvtier.backends.index import _WRITER
+
+    with index.env.txn() as txn:  # type: ignore[attr-defined]
+        return {key for _, key, _ in index._writer_rows(txn, _WRITER)}  # type: ignore[attr-defined]
+
+
+def test_a_killed_containers_writer_goes_stale_and_its_orphans_are_swept(tmp_path: Path, backend: str) -> None:
+    """A writer killed with its container (a restarted pod) is registered in a pid namespace
+    that no longer exists, so its pid is never judged. Its row stops being refreshed: once
+    stale, the next writer drops it and sweeps what it left unpublished. A row refreshed
+    recently (a live writer elsewhere, idle or not) is kept, and costs no scan."""
+    from kvtier.backends.index import WRITER_STALE_S
+
+    store = tmp_path / "s"
+    with open_cache(store, backend):
+        pass
+    item = _item(_key("left by the pod"), 4)
+    orphan = ((int(time.time()) - 3600) << 32) | (4242 << 10)  # its last batch, never published
+    with ChunkStore(config(store, backend)) as s:
+        assert s.backend.payloads.write_many([item], [orphan]) == [None]
+        live = _writer_row(s.backend.index, b"\x02" * 8, 77, time.time() - 60)
+    with ChunkStore(config(store, backend)) as s:  # the live one elsewhere: nothing to sweep
+        time.sleep(0.2)
+        assert s.counters.snapshot()["orphans_removed"] == 0
+        assert live in _writer_keys(s.backend.index)
+        stale = _writer_row(s.backend.index, b"\x01" * 8, 4242, time.time() - WRITER_STALE_S - 60)
+    with ChunkStore(config(store, backend)) as s:
+        deadline = time.monotonic() + 10
+        while s.counters.snapshot()["orphans_removed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.counters.snapshot()["orphans_removed"] == 1
+        assert (item.key, orphan) not in set(s.backend.payloads.found())
+        assert _writer_keys(s.backend.index) >= {live} and stale not in _writer_keys(s.backend.index)
+
+
+def test_a_running_writer_refreshes_its_row_and_notices_a_crash_without_a_restart(
+        tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers run for weeks: the writer thread refreshes its registration while idle (else
+    its live row would look stale to others) and judges the others' rows as it does, so a
+    crash elsewhere is cleaned up without waiting for a restart."""
+    import kvtier.store as store_mod
+    from kvtier.backends.index import _WRITER, WRITER_STALE_S, pid_scope
+
+    monkeypatch.setattr(store_mod, "WRITER_BEAT_S", 0.1)
+    with ChunkStore(config(tmp_path / "s", backend)) as s:
+        index = s.backend.index
+        mine = _WRITER + pid_scope() + os.getpid().to_bytes(4, "little")
+
+        def my_beat() -> int:
+            with index.env.txn() as txn:
+                return next(t for _, k, t in index._writer_rows(txn, _WRITER) if k == mine)
+
+        first = my_beat()
+        item = _item(_key("left by a crash"), 6)
+        orphan = ((int(time.time()) - 3600) << 32) | (4343 << 10)
+        assert s.backend.payloads.write_many([item], [orphan]) == [None]
+        stale = _writer_row(index, b"\x03" * 8, 4343, time.time() - WRITER_STALE_S - 60)
+        deadline = time.monotonic() + 10
+        while s.counters.snapshot()["orphans_removed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.counters.snapshot()["orphans_removed"] == 1
+        assert stale not in _writer_keys(index) and my_beat() > first
+
+
 def test_one_failed_record_does_not_drop_its_batch(tmp_path: Path) -> None:
     """Files: a record whose file cannot be written fails alone; its neighbours are stored."""
     store = tmp_path / "s"
