@@ -40,6 +40,13 @@ def unsupported_setting(vllm_config: Any) -> str | None:
     pc = vllm_config.parallel_config
     if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
         return "pipeline parallelism (each stage would need its own namespace)"
+    world = int(getattr(pc, "world_size", 1) or 1)
+    if getattr(pc, "distributed_executor_backend", None) == "external_launcher" and world > 1:
+        # Each rank then runs a scheduler of its own, and the ranks must schedule alike. A
+        # store other processes write can answer one rank's lookup with a hit and the next
+        # one's with a miss, so their steps (and collectives) would differ.
+        return (f"the external_launcher executor with {world} ranks (each rank schedules on its own, "
+                "and a shared store can answer ranks differently); use the default executor")
     for field, what in (("decode_context_parallel_size", "decode"),
                         ("prefill_context_parallel_size", "prefill")):
         n = int(getattr(pc, field, 1) or 1)

@@ -111,6 +111,22 @@ def test_sleep_mode_is_refused() -> None:
     assert unsupported_setting(cfg) is None
 
 
+def test_external_launcher_with_several_ranks_is_refused() -> None:
+    """With torchrun's external launcher every rank schedules on its own: a store written by
+    others between two ranks' lookups would give them different steps."""
+    from vllm.config import CacheConfig, ParallelConfig
+
+    def cfg(**kw: object) -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=ParallelConfig(**kw), cache_config=CacheConfig(),
+                               model_config=SimpleNamespace())
+
+    assert "external_launcher executor with 2 ranks" in str(unsupported_setting(
+        cfg(distributed_executor_backend="external_launcher", tensor_parallel_size=2)))
+    # one rank per engine (data parallel under torchrun): nothing to agree on
+    assert unsupported_setting(cfg(distributed_executor_backend="external_launcher")) is None
+    assert unsupported_setting(cfg(tensor_parallel_size=2)) is None
+
+
 @pytest.mark.parametrize(("version", "ok"), [
     ("0.29.9", False), ("0.30.0", True), ("0.31.2", True), ("0.32.0", True), ("0.33.1rc1", True),
     ("0.34.0", False), ("1.0.0", False), ("dev", False),
