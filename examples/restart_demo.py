@@ -6,7 +6,7 @@ Runs three separate engine processes on the same prompt (a true restart each tim
   3. kvtier again, in a fresh process (KV loaded from disk instead of recomputed),
 and prints time to first token, cached tokens and whether the outputs are identical.
 
-    python examples/restart_demo.py [--tokens 8192] [--backend lmdb|files] [--workdir .kvtier-demo]
+    python examples/restart_demo.py [--tokens 8192] [--backend files|lmdb] [--workdir .kvtier-demo]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
-    ap.add_argument("--backend", choices=["lmdb", "files"], default="lmdb")
+    ap.add_argument("--backend", choices=["files", "lmdb"], default="files")
     ap.add_argument("--workdir", default=".kvtier-demo")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

@@ -33,7 +33,9 @@ class CacheConfig:
     """Settings of one store. Sizes accept ints (bytes) or strings such as ``"512M"``."""
 
     path: Path = dataclasses.field(default_factory=default_store_path)
-    backend: str = "lmdb"
+    # A new store's backend; an existing store keeps its own, which a config that does not
+    # name one follows (see ``validate``).
+    backend: str = "files"
     chunk_tokens: int = 256
     host_bytes: int | str = "1G"
     disk_bytes: int | str = "64G"
@@ -107,6 +109,8 @@ class CacheConfig:
         self.path = self.path.expanduser()
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"path: {self.path} exists and is not a directory; choose a directory for the store")
+        if "backend" not in self.chosen:
+            self.backend = _store_backend(self.path) or self.backend
         _choice("backend", self.backend, BACKENDS)
         _choice("durability", self.durability, DURABILITY)
         _choice("compression", self.compression, COMPRESSION)
@@ -159,6 +163,20 @@ class CacheConfig:
         d = dataclasses.asdict(self)
         d["path"] = str(self.path)
         return d
+
+
+def _store_backend(path: Path) -> str | None:
+    """The backend of the store at ``path``, if one is there and its marker reads (opening
+    it reports a marker that does not)."""
+    from kvtier.backends import MARKER, read_marker
+    from kvtier.errors import KVTierError
+
+    if not (path / MARKER).exists():
+        return None
+    try:
+        return str(read_marker(path)["backend"])
+    except (KVTierError, OSError):
+        return None
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -13,6 +13,7 @@ serving loop for a storage fault.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -147,22 +148,24 @@ class ChunkStore:
         # the parent's sockets and upload thread are not ours: connect afresh
         self.remote = open_remote(self.config, self.counters, writer=not self.readonly)
         self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
-        self._start_writer()
+        self._start_writer(register=False)  # registers on its first save: many children never save
 
-    def _start_writer(self) -> None:
+    def _start_writer(self, *, register: bool = True) -> None:
         """The writer and committer threads (see ``_write_loop``), with nothing in flight."""
         self._inflight = 0  # chunks taken off the queue and not yet stored or dropped
         self._taken_bytes = 0  # their bytes
         self._handoff: list | None = None  # a prepared batch (and its records) for the committer
         self._committing = False
         self._writer_done = False
-        self._next_beat = float("inf")  # set by the registration, which follows
+        self._next_beat = float("inf")  # set by the registration
+        self._registered = False
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-writer", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="kvtier-committer", daemon=True)
         if not self.readonly:
             self._writer.start()
             self._committer.start()
-            self._register_writer()
+            if register:
+                self._register_writer()
 
     # -- saves ---------------------------------------------------------------------
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -248,12 +251,14 @@ class ChunkStore:
                     touched: dict[bytes, int] = {}
                     if batch or not self._committing:
                         touched, self._touched = self._touched, {}
-                if beat_due:  # idle or not: a writer whose row goes stale counts as gone
-                    self._beat(self.backend.index.beat)
+                if batch and not self._registered:  # (a forked child) before its first payload
+                    self._register_writer()
                 if touched:  # first: the next commit's eviction must see these recent uses
                     self._apply_touches(touched)
                 if batch:
                     self._hand_over(batch)
+                if beat_due and self._registered:  # idle or not: a stale row counts as gone
+                    self._beat(self.backend.index.beat)
         finally:
             with self._cv:
                 self._writer_done = True
@@ -376,6 +381,7 @@ class ChunkStore:
     def _register_writer(self) -> None:
         """Record this process as a writer; if one was killed since (it never unregistered),
         sweep its orphan payloads in the background. A clean history costs no scan."""
+        self._registered = True  # (counted even if the row's write fails: the beats retry it)
         self._beat(self.backend.index.register_writer)
 
     def _beat(self, beat: Callable[[], list[int] | None]) -> None:
@@ -388,7 +394,8 @@ class ChunkStore:
             self._warn.warning("sweep", "kvtier: recording this writer in the index failed: %s", exc)
             return
         if gone is not None:
-            self._loads.submit(self._sweep_orphans, set(gone))
+            with contextlib.suppress(RuntimeError):  # closing: the next writer to open sweeps
+                self._loads.submit(self._sweep_orphans, set(gone))
 
     def _sweep_orphans(self, gone_writers: set[int]) -> None:
         try:
@@ -746,7 +753,7 @@ class ChunkStore:
                 t.join(max(0.0, deadline - time.monotonic()))
         if self.remote is not None:  # uploads what the local writer queued for it, then disconnects
             self.remote.close(max(0.0, deadline - time.monotonic()))
-        if not self.readonly and not self._committer.is_alive() and not self._inflight:
+        if self._registered and not self._committer.is_alive() and not self._inflight:
             try:  # a clean close: nothing of ours is left unpublished
                 self.backend.index.unregister_writer()
             except Exception as exc:

@@ -36,9 +36,13 @@ STORE_LAYOUT_VERSION = 2
 # Settings every process of a store shares: kept in the store, so the CLI, the library and
 # every server read the same values instead of their own defaults.
 STORED_SETTINGS = ("disk_bytes", "max_record_bytes", "chunk_tokens", "compression", "durability")
+# Of those, the limits all writers enforce from the store (eviction reads the budget inside
+# each commit): a writer's default never replaces a recorded one. The others say how the
+# newest writer writes (its keys, its records), defaults included.
+SHARED_LIMITS = ("disk_bytes", "max_record_bytes")
 
 __all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "open_backend", "read_marker", "StoreLock",
-           "adopt_settings", "open_shared", "stored_config"]
+           "SHARED_LIMITS", "STORED_SETTINGS", "adopt_settings", "open_shared", "stored_config"]
 
 
 def _make_backend(root: Path, config: CacheConfig, readonly: bool) -> Backend:
@@ -169,14 +173,15 @@ def _full_disk_as_store_full(root: Path) -> Iterator[None]:
 
 
 def adopt_settings(backend: Backend, config: CacheConfig) -> None:
-    """Record a writer's settings in the store: those its config chose, and any the store has
-    not recorded yet. A setting left at its default never replaces a recorded one, so a
-    process opened with only a path (a restarted server, a second one, a tool) keeps the
-    budget the servers set; a chosen value holds for all (the newest choice wins)."""
+    """Record a writer's settings in the store. A shared limit (:data:`SHARED_LIMITS`) is
+    recorded only if the config gives it or the store has none yet: a process opened with
+    only a path (a restarted server, a second one, a tool) keeps the budget the servers set,
+    and a budget given explicitly holds for all. The other settings describe how this writer
+    writes, and are recorded as they are (the newest writer's hold)."""
     mine = {k: getattr(config, k) for k in STORED_SETTINGS}
-    chosen = {k: v for k, v in mine.items() if k in config.chosen}
-    old = backend.index.set_settings(chosen, defaults=mine)
-    changed = {k: (old[k], v) for k, v in chosen.items() if k in old and old[k] != v}
+    given = {k: v for k, v in mine.items() if k not in SHARED_LIMITS or k in config.chosen}
+    old = backend.index.set_settings(given, defaults=mine)
+    changed = {k: (old[k], v) for k, v in given.items() if k in old and old[k] != v}
     if changed:
         log.warning("kvtier: %s: store settings changed by this process: %s", config.path,
                     ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))

@@ -526,10 +526,11 @@ class StoreIndex:
         """Record this process as a writer of the store (see :meth:`beat`, whose answer this
         is). A clean close unregisters it: only a killed writer leaves its row behind."""
         with _REGISTERED_LOCK:
+            first = _REGISTERED.get(str(self.path), 0) == 0
             _REGISTERED[str(self.path)] = _REGISTERED.get(str(self.path), 0) + 1
-        return self.beat()
+        return self.beat(first=first)
 
-    def beat(self) -> list[int] | None:
+    def beat(self, *, first: bool = False) -> list[int] | None:
         """Refresh this process's writer row (its writer thread does so every
         :data:`WRITER_BEAT_S`, idle or not), and judge the other rows. A writer is gone when
         its pid is gone (only within this pid scope, where the pid means something) or when
@@ -537,16 +538,25 @@ class StoreIndex:
         container's writer, whose pid namespace no longer exists; a reused pid). Gone rows
         are deleted. Returns None if no writer was found gone, else the pids of those found
         gone here, whose unpublished payloads may be swept at once (the others' go by age:
-        every one of them is older than the grace period by then)."""
+        every one of them is older than the grace period by then).
+
+        ``first``: this process registers; a row under its own pid is then an earlier
+        process's that never unregistered. A writer whose own last beat is overdue (it was
+        stalled: a hung disk, a held write lock) judges no row stale, as the others' may be
+        overdue for the same reason."""
         mine = self._writer_prefix() + os.getpid().to_bytes(4, "little")
         now = time.time_ns()
         dead: list[int] = []
         found = False
         with self._write() as txn:
-            for pid, key, beat_ns in self._writer_rows(txn, _WRITER):
+            rows = self._writer_rows(txn, _WRITER)
+            own = next((beat_ns for _, key, beat_ns in rows if key == mine), None)
+            found = first and own is not None
+            stalled = not first and own is not None and now - own > 2 * WRITER_BEAT_S * 1e9
+            for pid, key, beat_ns in rows:
                 if key == mine:
                     continue
-                stale = now - beat_ns > WRITER_STALE_S * 1e9
+                stale = not stalled and now - beat_ns > WRITER_STALE_S * 1e9
                 here = key.startswith(self._writer_prefix()) and not pid_alive(pid)
                 if here or stale:
                     found = True
@@ -581,13 +591,13 @@ class StoreIndex:
     def unregister_writer(self) -> None:
         """This process closed the store cleanly: it left nothing unpublished (the record
         stays while another store of this process still writes the same index)."""
-        with _REGISTERED_LOCK:
-            left = _REGISTERED.get(str(self.path), 1) - 1
+        with _REGISTERED_LOCK:  # held across the delete: a store of this process opening
+            left = _REGISTERED.get(str(self.path), 1) - 1  # meanwhile must not lose its row
             _REGISTERED[str(self.path)] = max(left, 0)
-        if left > 0:
-            return
-        with self._write() as txn:
-            txn.delete(self._writer_prefix() + os.getpid().to_bytes(4, "little"), db=self._info)
+            if left > 0:
+                return
+            with self._write() as txn:
+                txn.delete(self._writer_prefix() + os.getpid().to_bytes(4, "little"), db=self._info)
 
     # -- maintenance ----------------------------------------------------------------------
     def referenced(self, key: bytes, location: int) -> bool:

@@ -87,22 +87,23 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
 
 def with_store_settings(config: dict[str, Any] | None) -> dict[str, Any]:
     """``config`` (a ``kv_connector_extra_config``) completed from the store it names, if that
-    store exists: its backend, and every shared setting (``disk_bytes``, ``compression``,
-    ``durability``, ...) ``config`` leaves out, as the store recorded it.
+    store exists: how its servers write (``chunk_tokens``, ``compression``, ``durability``,
+    as the newest writer recorded them) where ``config`` leaves them out.
 
     Warm-up must write as the servers do: the same ``chunk_tokens`` (else its keys are not
-    theirs), backend and compression. Values given in ``config`` still win, and are recorded
-    for every process (see :func:`kvtier.backends.adopt_settings`)."""
-    from kvtier.backends import MARKER, STORED_SETTINGS, read_marker, stored_config
+    theirs). The store's backend is followed anyway, and its shared limits (``disk_bytes``,
+    ``max_record_bytes``) are left to the store, not copied: a copy would count as given, and
+    put back an old budget a server changed while the warm-up's engine was starting (see
+    :func:`kvtier.backends.adopt_settings`). Values given in ``config`` still win."""
+    from kvtier.backends import MARKER, SHARED_LIMITS, STORED_SETTINGS, read_marker, stored_config
     from kvtier.vllm.settings import ConnectorSettings
 
     config = dict(config or {})
     root = ConnectorSettings.from_extra_config(config).cache.path  # checks config, resolves the default path
     if not (root / MARKER).exists():
         return config  # a new store: nothing recorded to keep
-    backend = str(read_marker(root)["backend"])
-    recorded = stored_config(root, backend)
-    kept: dict[str, Any] = {"backend": backend, **{k: getattr(recorded, k) for k in STORED_SETTINGS}}
+    recorded = stored_config(root, str(read_marker(root)["backend"]))
+    kept = {k: getattr(recorded, k) for k in STORED_SETTINGS if k not in SHARED_LIMITS}
     return {**kept, **config}
 
 

@@ -42,6 +42,9 @@ def main() -> None:
         while True:  # new prompts (saves, evictions under the small budget) and repeats (loads)
             batch = prompts(seed * 1000 + i, 2) + [FIXED[i % len(FIXED)]]
             engine.generate(batch, max_tokens=2)
+            # else the repeats hit vLLM's own prefix cache: no load, so no use the store's LRU
+            # sees, and the fixed prompts would be evicted under the budget
+            engine.llm.reset_prefix_cache()
             i += 1
 
 

@@ -56,7 +56,7 @@ def _run(model: Path, store: str) -> list[list[object]]:
 def _check_store(store: Path) -> int:
     """Every record the index names loads (checksums verified); nothing unpublished is left
     once the sweep ran; `kvtier verify` agrees."""
-    with ChunkStore(CacheConfig(path=store, backend="lmdb")) as s:
+    with ChunkStore(CacheConfig(path=store)) as s:
         entries = list(s.backend.entries())
         for e in entries:
             got = s.load(e.key)

@@ -335,7 +335,52 @@ def probe_store(path: str, backend: str, sequences: list[int]) -> dict[str, Any]
     return rep
 
 
+def forked_readers(path: str, backend: str) -> dict[str, Any]:
+    """Open a cache, then fork two children that use the inherited cache: one only reads and
+    leaves with ``os._exit`` (as a worker pool's child does), one saves and then closes.
+    Returns the pids, and the writer rows' pids in the index afterwards."""
+    from kvtier.backends.index import _WRITER
+
+    torch.set_num_threads(1)
+    cache = H.open_cache(path, backend)
+    toks = H.seq_tokens(0)
+    cache.save(toks, H.make_kv(toks))
+    assert cache.flush(30)
+    pids = []
+    for saves in (False, True):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                got = cache.load(toks)
+                if saves:
+                    more = H.seq_tokens(1)
+                    cache.save(more, H.make_kv(more))
+                    assert cache.flush(30)
+                    with cache.store.backend.index.env.txn() as txn:
+                        rows = cache.store.backend.index._writer_rows(txn, _WRITER)
+                    registered = os.getpid() in {p for p, _, _ in rows}
+                    cache.close()
+                else:
+                    registered = None
+                _send(w, {"loaded": int(got.shape[2]), "registered_while_saving": registered})
+            except BaseException:
+                _send(w, {"errors": [traceback.format_exc()]})
+            finally:
+                os._exit(0)
+        os.close(w)
+        rep = _collect(pid, r, 60)
+        index = cache.store.backend.index
+        with index.env.txn() as txn:  # (before anyone's next beat deletes a dead child's row)
+            rep["writer_rows_after"] = [p for p, _, _ in index._writer_rows(txn, _WRITER)]
+        pids.append((pid, rep))
+    cache.close()
+    return {"children": [{"pid": pid, **rep} for pid, rep in pids], "parent": os.getpid()}
+
+
 FUNCTIONS = {"killed_mid_commit": killed_mid_commit, "probe_store": probe_store, "write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family,
+             "forked_readers": forked_readers,
              "evict_store": evict_store, "ranked_writer": ranked_writer}
 
 

@@ -168,6 +168,22 @@ def test_store_of_another_backend_is_refused(tmp_path: Path, created: str, opene
         assert cache.lookup(tokens(0, CHUNK)) == CHUNK
 
 
+@pytest.mark.parametrize("created", ["lmdb", "files"])
+def test_a_config_that_names_no_backend_follows_the_stores(tmp_path: Path, created: str) -> None:
+    """A server or tool opened with only a path works on a store of either backend (a new
+    store gets the default, files); only a backend named explicitly can conflict."""
+    from kvtier.vllm.settings import ConnectorSettings
+
+    assert CacheConfig(path=tmp_path / "new").backend == "files"
+    d = tmp_path / "s"
+    _save_one(d, created)
+    settings = ConnectorSettings.from_extra_config({"path": str(d), "chunk_tokens": CHUNK})
+    assert settings.cache.backend == created and "backend" not in settings.cache.chosen
+    with KVCache.open(d, namespace(), settings.cache) as cache:
+        assert cache.lookup(tokens(0, CHUNK)) == CHUNK
+        assert cache.store.backend.payloads.name == created
+
+
 def test_readonly_open_of_missing_store(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no such directory"):
         ChunkStore(config(tmp_path / "nope"), readonly=True)

@@ -91,10 +91,13 @@ def test_dali_prefetch_needs_the_files_backend_and_says_so(tmp_path: Path) -> No
     with ChunkStore(config(tmp_path / "s", "lmdb")) as store, pytest.raises(ConfigError, match="backend 'files'"):
         store.prefetch_recent(namespace().id, 1 << 20, "dali")
     with pytest.raises(ConfigError, match="needs \"backend\": \"files\""):
-        ConnectorSettings.from_extra_config({"path": str(tmp_path / "x"), "prefetch_reader": "dali",
+        ConnectorSettings.from_extra_config({"path": str(tmp_path / "x"), "backend": "lmdb",
+                                             "prefetch_reader": "dali", "prefetch_bytes": "1M"})
+    with pytest.raises(ConfigError, match="needs \"backend\": \"files\""):  # an lmdb store, followed
+        ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "prefetch_reader": "dali",
                                              "prefetch_bytes": "1M"})
     with pytest.raises(ConfigError, match="prefetch_reader: must be"):
         ConnectorSettings.from_extra_config({"path": str(tmp_path / "x"), "prefetch_reader": "fast"})
-    ok = ConnectorSettings.from_extra_config({"path": str(tmp_path / "x"), "backend": "files",
+    ok = ConnectorSettings.from_extra_config({"path": str(tmp_path / "x"),  # a new store: files
                                               "prefetch_reader": "dali", "prefetch_bytes": "1M"})
     assert ok.prefetch_reader == "dali"

@@ -290,9 +290,16 @@ def test_a_writer_opened_with_defaults_keeps_the_stores_settings(
     assert only_path.disk_bytes == 64 << 30 and "disk_bytes" not in only_path.chosen
     with caplog.at_level("WARNING", logger="kvtier"), ChunkStore(only_path) as st:
         assert st.backend.budget() == 3 << 20
-    assert "settings changed" not in caplog.text
+    # how it writes is recorded as it is (what warm-up and the CLI follow); the budget is kept
+    assert "compression 'zstd' -> 'none'" in caplog.text and "disk_bytes" not in caplog.text
     cfg = stored_config(store, backend)
-    assert (cfg.disk_bytes, cfg.compression) == (3 << 20, "zstd")
+    assert (cfg.disk_bytes, cfg.compression) == (3 << 20, "none")
+    # warm-up follows how the servers write, and copies no limit it would then put back
+    # over one a server changed while warm-up's engine started
+    from kvtier.warmup import with_store_settings
+
+    assert with_store_settings({"path": str(store)}) == {
+        "path": str(store), "chunk_tokens": CHUNK, "compression": "none", "durability": "process"}
     # chosen settings survive a copy with another path (what KVCache.open makes)
     assert config(store, backend).replaced(path=tmp_path / "t").chosen == {
         "path", "backend", "chunk_tokens", "io_threads"}
@@ -423,6 +430,38 @@ def test_a_running_writer_refreshes_its_row_and_notices_a_crash_without_a_restar
             time.sleep(0.05)
         assert s.counters.snapshot()["orphans_removed"] == 1
         assert stale not in _writer_keys(index) and my_beat() > first
+
+
+def test_a_forked_child_registers_only_once_it_saves(zygote: Zygote, tmp_path: Path, backend: str) -> None:
+    """Children forked from a server (a worker pool) that only read and leave without
+    closing must not look like killed writers: each would set off a scan of every payload
+    in the parent's next beat. A child registers before its first save, and unregisters on
+    a clean close."""
+    rep = zygote.request("call", fn="forked_readers", timeout=90,
+                         kwargs={"path": str(tmp_path / "s"), "backend": backend})
+    assert "error" not in rep, rep
+    reader, saver = rep["children"]
+    assert reader["loaded"] == saver["loaded"] > 0  # both used the inherited store
+    assert saver["registered_while_saving"] is True
+    # neither child's row is left: the reader never registered, the saver unregistered
+    assert reader["writer_rows_after"] == saver["writer_rows_after"] == [rep["parent"]]
+
+
+def test_a_stalled_writer_judges_no_row_stale(tmp_path: Path, backend: str) -> None:
+    """When every writer was held up (a hung disk, a tool holding the index's write lock),
+    the first to beat again must not take the others' overdue rows for dead writers and
+    sweep their payloads: its own overdue beat says it was held up too. At registration, a
+    row under this process's own pid is an earlier process's that was killed."""
+    from kvtier.backends.index import _WRITER, WRITER_BEAT_S, WRITER_STALE_S, pid_scope
+
+    with ChunkStore(config(tmp_path / "s", backend)) as s:
+        index = s.backend.index
+        mine = _WRITER + pid_scope() + os.getpid().to_bytes(4, "little")
+        _writer_row(index, mine[len(_WRITER):-4], os.getpid(), time.time() - 3 * WRITER_BEAT_S)
+        other = _writer_row(index, b"\x04" * 8, 99, time.time() - WRITER_STALE_S - 60)
+        assert index.beat() is None and other in _writer_keys(index)
+        assert index.beat() == [] and other not in _writer_keys(index)  # on time now: judged
+        assert index.beat(first=True) == []  # "our" row at registration: a killed namesake's
 
 
 def test_one_failed_record_does_not_drop_its_batch(tmp_path: Path) -> None:

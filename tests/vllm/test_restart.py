@@ -61,16 +61,17 @@ def test_registered_by_name_through_the_plugin(tiny_model: Path, store_dir: Path
         assert r.num_cached_tokens == expect
 
 
-def test_files_backend_restart(tiny_model: Path, store_dir: Path) -> None:
+def test_lmdb_backend_restart(tiny_model: Path, store_dir: Path) -> None:
+    """The other backend (the tests above use the default, files) through a real restart."""
     p = tokens(600, seed=30)
     with Engine(tiny_model) as e:
         base = e.generate([p], max_tokens=8)[0]
     outs = []
     for _ in range(2):
-        with Engine(tiny_model, kv_transfer_config(store_dir, backend="files")) as e:
+        with Engine(tiny_model, kv_transfer_config(store_dir, backend="lmdb")) as e:
             outs.append(e.generate([p], max_tokens=8)[0])
             e.worker_connector._store.flush()
     assert [o.num_cached_tokens for o in outs] == [0, 576]
     assert outs[0].tokens == outs[1].tokens == base.tokens
-    assert any(store_dir.joinpath("files").rglob("*.kvt"))
+    assert store_dir.joinpath("lmdb", "data.mdb").stat().st_size > 0 and not store_dir.joinpath("files").exists()
     shutil.rmtree(store_dir)

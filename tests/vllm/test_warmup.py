@@ -217,13 +217,13 @@ def test_warmup_settings_given_explicitly_still_win(tiny_model: Path, tmp_path: 
     from kvtier import CacheConfig, ChunkStore
 
     store = tmp_path / "store"
-    ChunkStore(CacheConfig.from_dict({"path": str(store), "backend": "files", **SERVER_SETTINGS})).close()
+    ChunkStore(CacheConfig.from_dict({"path": str(store), "backend": "lmdb", **SERVER_SETTINGS})).close()
     before = _recorded(store)
     prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}])
     with caplog.at_level("WARNING", logger="kvtier"):
         report = warmup(str(tiny_model), prompts, engine="transformers", block_size=32, **F32,
                         config={"path": str(store), "disk_bytes": "1G"})
-    assert report.errors == [] and len(list(store.rglob("*.kvt"))) == 2
+    assert report.errors == [] and _records_in(store) == 2 and before["backend"] == "lmdb"
     assert _recorded(store) == {**before, "disk_bytes": 1 << 30}
     assert "disk_bytes 536870912000 -> 1073741824" in caplog.text
 
