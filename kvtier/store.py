@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
@@ -233,6 +233,7 @@ class ChunkStore:
         and checksum them) on this thread, then hand each to the committer thread, which
         writes and publishes it. While the committer writes one batch, the next full batch
         is prepared here: the disk does not wait for a checksum or a device copy."""
+        touched: dict[bytes, int] = {}
         try:
             while True:
                 with self._cv:
@@ -243,12 +244,13 @@ class ChunkStore:
                                or time.monotonic() >= self._next_beat):
                         self._cv.wait(1.0)
                     if self._closed and not self._queue:
-                        return
+                        touched, self._touched = self._touched, {}
+                        break
                     beat_due = time.monotonic() >= self._next_beat
                     batch = take_batch(self._queue, self.config.commit_bytes) if self._can_take() else []
                     self._inflight += len(batch)
                     self._taken_bytes += sum(p.nbytes for p in batch)
-                    touched: dict[bytes, int] = {}
+                    touched = {}
                     if batch or not self._committing:
                         touched, self._touched = self._touched, {}
                 if batch and not self._registered:  # (a forked child) before its first payload
@@ -259,6 +261,8 @@ class ChunkStore:
                     self._hand_over(batch)
                 if beat_due and self._registered:  # idle or not: a stale row counts as gone
                     self._beat(self.backend.index.beat)
+            if touched:  # the last uses too: the next process evicts by them
+                self._apply_touches(touched)
         finally:
             with self._cv:
                 self._writer_done = True
@@ -469,7 +473,7 @@ class ChunkStore:
             t = pending.tensor if pending is not None else None
         if t is not None:
             self.counters.add(hits_host=1, bytes_loaded=t.numel() * t.element_size())
-            self._touch(key)
+            self.touch((key,))
             if out is not None:
                 out.copy_(t)
                 t = out
@@ -513,7 +517,7 @@ class ChunkStore:
             self.counters.add(misses=1)
             return Loaded(Outcome.MISS)
         self.counters.add(hits_disk=1, bytes_loaded=t.numel() * t.element_size())
-        self._touch(key)
+        self.touch((key,))
         if out is None:
             self.counters.add(evicted_host=self.host.put(key, t))
         return Loaded(Outcome.HIT, t)
@@ -706,10 +710,15 @@ class ChunkStore:
         threading.Thread(target=thread, name="kvtier-prefetch", daemon=True).start()
         return done
 
-    def _touch(self, key: bytes) -> None:
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Record a use of stored chunks for LRU eviction (a chunk used where no load read
+        it: vLLM's own prefix cache held it). Never waits: the writer thread applies uses in
+        batches, before its next commit evicts."""
         if not self.readonly:
+            now = time.time_ns()
             with self._cv:
-                self._touched[key] = time.time_ns()
+                for key in keys:  # (no wake-up: the writer looks at least once a second)
+                    self._touched[key] = now
 
     # -- lifecycle -------------------------------------------------------------------
     def stats(self) -> dict[str, object]:

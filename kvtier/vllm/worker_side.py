@@ -161,6 +161,10 @@ class WorkerSide:
         unsafe = self._unsafe_save_steps > 0  # nothing of this step is saved (UNSAFE_SAVE_STEPS)
         stored = [False] * len(meta.saves) if unsafe else self.store.present_each(
             [spec.keys[self.rank] for spec in meta.saves])
+        # A chunk stored already was used all the same (from vLLM's own prefix cache, or a
+        # load): say so, or the store's LRU would evict the hottest prefixes first, those
+        # that never need a load while the server runs (and do after a restart).
+        self.store.touch(spec.keys[self.rank] for spec, there in zip(meta.saves, stored, strict=True) if there)
         staged = []
         for spec, there in zip(meta.saves, stored, strict=True):
             if unsafe or there:

@@ -88,3 +88,26 @@ def test_long_prompt_chunked_prefill_and_preemption(tiny_model: Path, store_dir:
         _assert_no_leaks(e)
     assert [r.tokens for r in second] == base
     assert [r.num_cached_tokens for r in second] == [1472] * 4
+
+
+def test_a_prefix_served_by_vllms_own_cache_stays_recent_in_the_store(tiny_model: Path, store_dir: Path) -> None:
+    """A hot prefix lives in vLLM's own prefix cache while the server runs, so it is never
+    loaded from the store. Its uses must still count for the store's LRU: otherwise it is
+    the first thing evicted (and saved again from vLLM's cache, over and over), and after a
+    restart the hottest prefix misses."""
+    hot = tokens(3 * 256 + 40, seed=70)
+    ktc = kv_transfer_config(store_dir, disk_bytes="2M")  # about 15 chunks of this model
+    with Engine(tiny_model, ktc) as e:
+        e.generate([hot], max_tokens=1)
+        store = e.worker_connector._store
+        assert store.flush(30)
+        first = {x.key: x.location for x in store.backend.entries()}  # hot's records
+        for i in range(6):
+            e.generate([tokens(768, seed=71 + i)], max_tokens=1)  # new chunks: evictions
+            assert e.generate([hot], max_tokens=1)[0].num_cached_tokens >= 768  # vLLM's cache
+            assert store.flush(30)
+        assert store.stats()["evicted_disk"] >= 6
+        # never evicted: the very records first written are still there
+        assert {k: store.backend.lookup(k).location for k in first if store.backend.lookup(k)} == first
+    with Engine(tiny_model, ktc) as e:  # "after a restart"
+        assert e.generate([hot], max_tokens=1)[0].num_cached_tokens >= 768
