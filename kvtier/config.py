@@ -76,11 +76,11 @@ class CacheConfig:
         return self._chosen
 
     def replaced(self, **changes: Any) -> CacheConfig:
-        """A copy with ``changes``, keeping which settings were chosen (``dataclasses.replace``
-        would count every setting as chosen)."""
-        new = dataclasses.replace(self, **changes)
-        new._chosen = self._chosen | frozenset(changes)
-        return new
+        """A copy with ``changes``, keeping which settings were chosen; the others are
+        derived again (``dataclasses.replace`` would count every setting as chosen, and keep
+        a backend followed from the old path's store)."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in self._chosen}
+        return type(self)(**{**given, **changes})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], where: str = "kvtier config",
@@ -171,11 +171,11 @@ def _store_backend(path: Path) -> str | None:
     from kvtier.backends import MARKER, read_marker
     from kvtier.errors import KVTierError
 
-    if not (path / MARKER).exists():
-        return None
     try:
+        if not (path / MARKER).exists():
+            return None
         return str(read_marker(path)["backend"])
-    except (KVTierError, OSError):
+    except (KVTierError, OSError):  # (e.g. another user's store: opening says so)
         return None
 
 

@@ -36,9 +36,10 @@ STORE_LAYOUT_VERSION = 2
 # Settings every process of a store shares: kept in the store, so the CLI, the library and
 # every server read the same values instead of their own defaults.
 STORED_SETTINGS = ("disk_bytes", "max_record_bytes", "chunk_tokens", "compression", "durability")
-# Of those, the limits all writers enforce from the store (eviction reads the budget inside
-# each commit): a writer's default never replaces a recorded one. The others say how the
-# newest writer writes (its keys, its records), defaults included.
+# Of those, the shared limits: eviction reads the budget from the store inside each commit,
+# and the CLI judges records by the recorded size limit. A writer's default never replaces a
+# recorded one. The others say how the newest writer writes (its keys, its records),
+# defaults included.
 SHARED_LIMITS = ("disk_bytes", "max_record_bytes")
 
 __all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "open_backend", "read_marker", "StoreLock",
@@ -149,6 +150,8 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
         if create and not readonly and not (root / MARKER).exists():
             _create_marker(root, config.backend)
         info = read_marker(root)
+        if info["backend"] != config.backend and "backend" not in config.chosen:
+            config.backend = str(info["backend"])  # created since the config was made
         if info["backend"] != config.backend:
             raise StoreError(
                 f"{root}: store was created with backend {info['backend']!r}, config asks for "

@@ -28,7 +28,9 @@ def main() -> None:
     mode, model, store = sys.argv[1], sys.argv[2], sys.argv[3]
     from kvtier.testing.engine import Engine, kv_transfer_config
 
-    ktc = None if store == "-" else kv_transfer_config(store, chunk_tokens=64, disk_bytes="8M",
+    # (a new store's backend; a later engine follows the store's)
+    backend = {"backend": os.environ["KVTIER_JOB_BACKEND"]} if os.environ.get("KVTIER_JOB_BACKEND") else {}
+    ktc = None if store == "-" else kv_transfer_config(store, **backend, chunk_tokens=64, disk_bytes="8M",
                                                      commit_bytes="64K", load_async=False)
     with Engine(model, ktc, dtype="float32", block_size=32, max_model_len=1024) as engine:
         if mode == "run":

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from kvhelpers import REPO  # noqa: I001
 from relhelpers import kvtier_cli, record, scale
 
@@ -24,8 +25,8 @@ from kvtier.store import Outcome
 JOB = Path(__file__).resolve().parent / "_engine_job.py"
 
 
-def _start(*args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def _start(*args: str, backend: str = "") -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVTIER_JOB_BACKEND=backend)
     return subprocess.Popen([sys.executable, str(JOB), *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
@@ -68,7 +69,8 @@ def _check_store(store: Path) -> int:
     return len(entries)
 
 
-def test_engine_killed_at_random_instants(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["files", "lmdb"])
+def test_engine_killed_at_random_instants(tmp_path: Path, backend: str) -> None:
     from kvtier.testing.tiny_model import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "tiny-llama", seed=0)
@@ -78,7 +80,7 @@ def test_engine_killed_at_random_instants(tmp_path: Path) -> None:
     kills = scale(2, 25)
     checked = 0
     for n in range(kills):
-        proc = _start("write", str(model), str(store), str(seed + n))
+        proc = _start("write", str(model), str(store), str(seed + n), backend=backend)
         _wait_for(proc, "READY", 300)
         time.sleep(rng.uniform(0.0, 3.0))
         proc.send_signal(signal.SIGKILL)
@@ -90,5 +92,5 @@ def test_engine_killed_at_random_instants(tmp_path: Path) -> None:
     # beyond what vLLM's own prefix cache shares within the batch, the store served tokens
     from_store = sum(int(r[1]) for r in cached) - sum(int(r[1]) for r in expected)
     assert from_store > 0, (cached, expected)
-    record("crash/vllm_engine", kills=kills, records_checked=checked, partial_or_corrupt_visible=0,
+    record(f"crash/vllm_engine/{backend}", kills=kills, records_checked=checked, partial_or_corrupt_visible=0,
            outputs_equal_to_no_cache=True, tokens_from_the_store_after=from_store)

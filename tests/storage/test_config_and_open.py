@@ -182,6 +182,16 @@ def test_a_config_that_names_no_backend_follows_the_stores(tmp_path: Path, creat
     with KVCache.open(d, namespace(), settings.cache) as cache:
         assert cache.lookup(tokens(0, CHUNK)) == CHUNK
         assert cache.store.backend.payloads.name == created
+    # the path given to KVCache.open wins over the config's, and so does its store's backend
+    elsewhere = CacheConfig(path=tmp_path / "elsewhere", chunk_tokens=CHUNK)
+    with KVCache.open(d, namespace(), elsewhere) as cache:
+        assert cache.store.backend.payloads.name == created
+    # a config made before its store existed follows the store another process created
+    later = tmp_path / "later"
+    early = CacheConfig(path=later, chunk_tokens=CHUNK)
+    _save_one(later, created)
+    with ChunkStore(early) as store:
+        assert store.backend.payloads.name == created == early.backend
 
 
 def test_readonly_open_of_missing_store(tmp_path: Path) -> None:
