@@ -15,6 +15,7 @@ rounded down to ``tail_granularity`` tokens, so an exact re-sent sequence hits i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,15 +101,19 @@ class KVCache:
 
     # -- operations ----------------------------------------------------------------
     def save(self, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
-             extras: RequestExtras = NO_EXTRAS) -> int:
+             extras: RequestExtras = NO_EXTRAS, *, wait: float = 0.0) -> int:
         """Queue the KV of ``tokens`` for storage; return the number of tokens queued.
 
         ``kv`` is ``[layers, 2, len(tokens), kv_heads, head_dim]`` in the namespace's dtype.
         Chunks already stored are skipped. Saving is write-behind: call :meth:`flush` to wait.
+        A chunk the write queue has no room for is dropped (and counted), as a server must;
+        with ``wait`` (seconds, for this whole call) it waits for the writer to make room
+        instead, so an offline caller can save a prompt larger than the queue.
         """
         arr = as_token_array(tokens)
         self._check_kv(kv, len(arr))
         kv = kv.detach().cpu()
+        deadline = time.monotonic() + wait
         queued = 0
         parent: bytes | None = None
         refs = self.chunks(arr, extras)
@@ -118,6 +123,8 @@ class KVCache:
             if self.store.count_present_prefix([ref.key]):
                 continue
             part = kv.narrow(TOKEN_AXIS, ref.start, ref.num_tokens)
+            if wait > 0:
+                self.store.wait_for_room(part.element_size() * part.numel(), deadline)
             chunk = self.store.buffer(tuple(part.shape), part.dtype)  # pooled: no allocation per chunk
             if chunk is None:
                 continue  # every buffer is queued for writing: dropped (and counted), like a full queue

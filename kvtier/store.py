@@ -168,6 +168,15 @@ class ChunkStore:
                 self._register_writer()
 
     # -- saves ---------------------------------------------------------------------
+    def wait_for_room(self, nbytes: int, deadline: float) -> bool:
+        """Wait until the write queue can take ``nbytes`` more, or the monotonic
+        ``deadline``: for offline writers (warm-up), which would rather wait for the disk
+        than drop saves. A server never calls this: its loop must not wait for storage.
+        True if there is room (or the chunk could never fit: :meth:`put` then drops it)."""
+        limit = int(self.config.write_queue_bytes)
+        return wait_while(self._cv, lambda: not self._closed and self._queued_bytes > 0
+                          and self._queued_bytes + nbytes > limit, deadline)
+
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A pooled host buffer to fill with a chunk and hand to :meth:`put` (no allocation
         per chunk). None when every buffer is in use by the write queue or a load even after

@@ -131,7 +131,7 @@ def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: s
                 extras = RequestExtras(cache_salt=p.cache_salt)
                 refs = cache.chunks(ids, extras)
                 before = cache.store.present_each([r.key for r in refs])
-                saved = _save_in_slices(cache, ids, hf.kv(ids), extras) if not all(before) else None
+                saved = _save_waiting(cache, ids, hf.kv(ids), extras) if not all(before) else None
             except hf_engine.WarmupRefused:
                 raise
             except Exception as exc:  # one prompt's failure does not stop the others
@@ -155,8 +155,8 @@ def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: s
             progress(report.prompts, report.tokens, report.chunks_stored)
 
 
-# Longest wait for one slice of a prompt to reach the disk (a write queue's worth of chunks):
-# bounded, so that a hung disk ends the warm-up with an error instead of hanging it.
+# Longest wait for a prompt's chunks to reach the disk: bounded, so that a hung disk ends
+# the warm-up with an error instead of hanging it.
 FLUSH_TIMEOUT_S = 600.0
 
 
@@ -164,30 +164,22 @@ FLUSH_TIMEOUT_S = 600.0
 class _Saved:
     dropped: int  # saves the store dropped (queue or buffers full, failed writes)
     io_errors: int  # failed writes among them
-    timed_out: bool  # a flush did not finish within FLUSH_TIMEOUT_S
+    timed_out: bool  # the chunks did not reach the disk within FLUSH_TIMEOUT_S
     chunk_bytes: int  # bytes of one full chunk
 
 
-def _save_in_slices(cache: Any, ids: list[int], kv: Any, extras: Any) -> _Saved:
-    """Save a prompt's KV a write queue's worth of chunks at a time, waiting for each slice
-    to be written before queueing the next: the store drops saves beyond its write queue
-    rather than wait (right for a server, whose loop must not block on the disk), so one
-    long prompt saved at once loses every chunk the queue cannot hold."""
+def _save_waiting(cache: Any, ids: list[int], kv: Any, extras: Any) -> _Saved:
+    """Save a prompt's KV, waiting for the writer to make room in the write queue rather
+    than drop what it cannot hold (a server drops instead: its loop must not wait for the
+    disk), then for all of it to be written; both within one FLUSH_TIMEOUT_S."""
     from kvtier.cache import TOKEN_AXIS
 
     store = cache.store
-    chunk_tokens = cache.namespace.chunk_tokens
-    chunk_bytes = kv.element_size() * kv.numel() // max(1, kv.shape[TOKEN_AXIS]) * chunk_tokens
-    per_slice = max(1, int(store.config.write_queue_bytes) // chunk_bytes) * chunk_tokens  # tokens
+    chunk_bytes = kv.element_size() * kv.numel() // max(1, kv.shape[TOKEN_AXIS]) * cache.namespace.chunk_tokens
     before = store.counters.snapshot()
-    timed_out = False
-    for start in range(0, len(ids), per_slice):
-        end = min(start + per_slice, len(ids))  # a chunk boundary, or the prompt's end
-        # a prefix's chunks have the prompt's keys; those already stored are skipped
-        cache.save(ids[:end], kv.narrow(TOKEN_AXIS, 0, end), extras)
-        if not cache.flush(timeout=FLUSH_TIMEOUT_S):
-            timed_out = True
-            break
+    deadline = time.monotonic() + FLUSH_TIMEOUT_S
+    cache.save(ids, kv, extras, wait=FLUSH_TIMEOUT_S)
+    timed_out = not cache.flush(timeout=max(0.0, deadline - time.monotonic()))
     after = store.counters.snapshot()
     return _Saved(after["dropped_saves"] - before["dropped_saves"], after["io_errors"] - before["io_errors"],
                   timed_out, chunk_bytes)

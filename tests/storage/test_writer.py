@@ -266,3 +266,22 @@ def test_recent_uses_wait_for_the_committer(tmp_path: Path) -> None:
     assert store.flush(10)
     assert _until(lambda: touched == [[_key(1)]])
     store.close()
+
+
+def test_an_offline_save_larger_than_the_queue_waits_for_room(tmp_path: Path) -> None:
+    """A server's save drops what the write queue cannot hold (its loop must not wait for
+    the disk); ``KVCache.save(..., wait=)`` waits for the writer to make room instead, so a
+    long prompt through a one-chunk queue is stored whole."""
+    from kvhelpers import CHUNK, make_kv, open_cache, tokens
+
+    toks = tokens(1, 9 * CHUNK)
+    chunk_bytes = make_kv(toks[:CHUNK]).numel() * 2
+    slow = {"write_queue_bytes": chunk_bytes, "durability": "power"}  # one chunk; a sync per commit
+    with open_cache(tmp_path / "a", "files", **slow) as cache:
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        assert cache.stats()["dropped_saves"] > 0 and cache.lookup(toks) < len(toks)
+    with open_cache(tmp_path / "b", "files", **slow) as cache:
+        assert cache.save(toks, make_kv(toks), wait=30) == len(toks)
+        assert cache.flush(30)
+        assert cache.stats()["dropped_saves"] == 0 and cache.lookup(toks) == len(toks)

@@ -241,7 +241,7 @@ def _records_in(store: Path) -> int:
 
 def test_long_prompt_through_a_small_write_queue_is_stored_whole(tiny_model: Path, tmp_path: Path) -> None:
     """A prompt's KV larger than the write queue (which drops what it cannot hold rather than
-    wait) is saved in slices the queue holds: every chunk is stored, and counted once."""
+    wait, as a server must) is saved waiting for room: every chunk is stored, and counted once."""
     store = tmp_path / "store"
     prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": LONG}, {"prompt_token_ids": PROMPTS[0]}])
     report = warmup(str(tiny_model), prompts, engine="transformers", block_size=32, **F32,
