@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="TTFT samples per configuration")
     ap.add_argument("--no-reuse-prompts", type=int, default=16)
     ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--backends", nargs="+", default=["files"], choices=["files", "lmdb"],
+                    help="kvtier backends to run side by side (default: files, the default backend)")
     args = ap.parse_args()
 
     from vllm.config import KVTransferConfig
@@ -74,19 +76,21 @@ def main() -> None:
         base_t, _, base_out = ttfts(e)
     rows.append(("no connector (prefill)", statistics.median(base_t), 0, True))
 
-    store = work / "kvtier-store"
-    with Engine(model, kv_transfer_config(store), **opts) as e:
-        t, c, o = ttfts(e)
-    rows.append(("kvtier, empty store (prefill + save)", statistics.median(t), c[0], o == base_out))
-    state = drop_caches(args.drop_caches)
-    with Engine(model, kv_transfer_config(store), **opts) as e:
-        t, c, o = ttfts(e)
-    rows.append((f"kvtier, fresh engine ({state} store)", statistics.median(t), c[0], o == base_out))
-    state = drop_caches(args.drop_caches)
-    with Engine(model, kv_transfer_config(store, load_async=False), **opts) as e:
-        t, c, o = ttfts(e)
-    rows.append((f"kvtier load_async=false, fresh engine ({state} store)", statistics.median(t), c[0],
-                 o == base_out))
+    for backend in args.backends:
+        store = work / f"kvtier-store-{backend}"
+        tag = f"kvtier ({backend})"
+        with Engine(model, kv_transfer_config(store, backend=backend), **opts) as e:
+            t, c, o = ttfts(e)
+        rows.append((f"{tag}, empty store (prefill + save)", statistics.median(t), c[0], o == base_out))
+        state = drop_caches(args.drop_caches)
+        with Engine(model, kv_transfer_config(store), **opts) as e:
+            t, c, o = ttfts(e)
+        rows.append((f"{tag}, fresh engine ({state} store)", statistics.median(t), c[0], o == base_out))
+        state = drop_caches(args.drop_caches)
+        with Engine(model, kv_transfer_config(store, load_async=False), **opts) as e:
+            t, c, o = ttfts(e)
+        rows.append((f"{tag} load_async=false, fresh engine ({state} store)", statistics.median(t), c[0],
+                     o == base_out))
 
     ex_dir = work / "example-store"
     ex_cfg = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
@@ -100,10 +104,11 @@ def main() -> None:
     rows.append((f"ExampleConnector, fresh engine ({state})", statistics.median(t), c[0], o == base_out))
 
     distinct = [[rng.randrange(3, 2000) for _ in range(1024)] for _ in range(args.no_reuse_prompts)]
-    tput: dict[str, list[float]] = {"no connector": [], "kvtier": []}
+    tput: dict[str, list[float]] = {"no connector": [], **{f"kvtier ({b})": [] for b in args.backends}}
     for rnd in range(args.repeat):  # interleaved rounds: this machine's speed drifts
         for name in tput:
-            cfg = kv_transfer_config(work / f"noreuse-{rnd}") if name == "kvtier" else None
+            backend = name[len("kvtier ("):-1] if name.startswith("kvtier") else None
+            cfg = kv_transfer_config(work / f"noreuse-{backend}-{rnd}", backend=backend) if backend else None
             with Engine(model, cfg, **opts) as e:
                 e.generate([warm], max_tokens=1)
                 t0 = time.perf_counter()
