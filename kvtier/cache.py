@@ -123,14 +123,13 @@ class KVCache:
             if self.store.count_present_prefix([ref.key]):
                 continue
             part = kv.narrow(TOKEN_AXIS, ref.start, ref.num_tokens)
-            if wait > 0:
-                self.store.wait_for_room(part.element_size() * part.numel(), deadline)
-            chunk = self.store.buffer(tuple(part.shape), part.dtype)  # pooled: no allocation per chunk
+            until = deadline if wait > 0 else None
+            chunk = self.store.buffer(tuple(part.shape), part.dtype, wait_until=until)  # pooled: no allocation per chunk
             if chunk is None:
                 continue  # every buffer is queued for writing: dropped (and counted), like a full queue
             chunk.copy_(part)  # the store owns what it is given; never the caller's tensor
             if self.store.put(ref.key, chunk, namespace_id=self.namespace.id, token_start=ref.start,
-                              num_tokens=ref.num_tokens, parent=ref_parent, head=head):
+                              num_tokens=ref.num_tokens, parent=ref_parent, head=head, wait_until=until):
                 queued += ref.num_tokens
         return queued
 

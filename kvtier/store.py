@@ -168,22 +168,30 @@ class ChunkStore:
                 self._register_writer()
 
     # -- saves ---------------------------------------------------------------------
-    def wait_for_room(self, nbytes: int, deadline: float) -> bool:
-        """Wait until the write queue can take ``nbytes`` more, or the monotonic
-        ``deadline``: for offline writers (warm-up), which would rather wait for the disk
-        than drop saves. A server never calls this: its loop must not wait for storage.
-        True if there is room (or the chunk could never fit: :meth:`put` then drops it)."""
+    def _wait_for_room(self, nbytes: int, deadline: float) -> None:
+        """Wait until the write queue can take ``nbytes`` more (or could never: then
+        :meth:`put` drops the chunk), or the monotonic ``deadline``."""
         limit = int(self.config.write_queue_bytes)
-        return wait_while(self._cv, lambda: not self._closed and self._queued_bytes > 0
-                          and self._queued_bytes + nbytes > limit, deadline)
+        wait_while(self._cv, lambda: not self._closed and self._queued_bytes > 0
+                   and self._queued_bytes + nbytes > limit, deadline)
 
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *,
+               wait_until: float | None = None) -> torch.Tensor | None:
         """A pooled host buffer to fill with a chunk and hand to :meth:`put` (no allocation
         per chunk). None when every buffer is in use by the write queue or a load even after
-        the host tier gave back what it could: the save is then dropped (and counted here)."""
+        the host tier gave back what it could: the save is then dropped (and counted here).
+
+        ``wait_until`` (a monotonic time; offline writers only, such as warm-up, never a
+        server's loop) waits for the writer to give buffers back instead, until then."""
         # the record's header fits in front of the chunk: the writer stores the record from
         # this buffer as it is (codec.record_in_place), no staging copy
-        t = self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest, lead=codec.record_lead(shape, dtype))
+        lead = codec.record_lead(shape, dtype)
+        while (t := self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest, lead=lead)) is None:
+            left = (wait_until or 0.0) - time.monotonic()
+            with self._cv:  # a committed batch gives its buffers back, then notifies
+                if left <= 0 or self._closed or not (self._queue or self._inflight):
+                    break  # (nothing being written would give one back: the caller holds them)
+                self._cv.wait(min(left, 0.05))
         if t is None:
             self.counters.add(dropped_saves=1)
             self._warn.warning("pool", "kvtier: no free chunk buffer (the write queue holds them "
@@ -195,7 +203,7 @@ class ChunkStore:
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
             num_tokens: int, group: bytes | None = None, parent: bytes | None = None,
             head: bytes | None = None, ready: Callable[[], object] | None = None,
-            _from_remote: bool = False) -> bool:
+            wait_until: float | None = None, _from_remote: bool = False) -> bool:
         """Queue a chunk for the persistent tier (and keep it in the host tier).
 
         ``parent`` is the key of the chunk this one extends (None for a chain's first chunk),
@@ -205,12 +213,16 @@ class ChunkStore:
         tensor; do not modify it afterwards). ``ready``, if given, returns once the tensor's
         bytes are all there (a device copy into it may still be in flight when ``put`` is
         called): the writer thread calls it before reading them, so the caller never waits.
-        Returns False if the save was dropped because the write queue is full or closed.
+        Returns False if the save was dropped because the write queue is full or closed;
+        with ``wait_until`` (a monotonic time; offline writers only, never a server's loop)
+        it waits for the writer to make room instead, until then.
         """
         if self.readonly:
             raise RuntimeError("store opened read-only")
         item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head,
                         _from_remote, ready)
+        if wait_until is not None:
+            self._wait_for_room(item.nbytes, wait_until)
         with self._cv:
             if self._closed or key in self._pending:
                 return not self._closed

@@ -256,7 +256,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                              self._tp_size)
         try:
             self._worker = WorkerSide(self._store, ns, names, kv_caches, content, g.block_size,
-                                      any_rank=_any_tp_rank if self._tp_size > 1 else None)
+                                      any_rank=_any_tp_rank if self._tp_size > 1 else None,
+                                      save_wait_s=self.settings.save_wait_s)
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return

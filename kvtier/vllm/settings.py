@@ -37,6 +37,9 @@ class ConnectorSettings:
     # How the start-up prefetch reads: kvtier's own reader, or NVIDIA DALI's file reader
     # (files backend, the `dali` extra).
     prefetch_reader: str = "default"
+    # Offline producers only (warm-up): seconds a step may wait for room in the write queue
+    # and for chunk buffers instead of dropping saves. 0 (servers): never wait for storage.
+    save_wait_s: float = 0.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -71,6 +74,10 @@ class ConnectorSettings:
             require_dali()
             if cache.backend != "files":
                 raise ConfigError("prefetch_reader: 'dali' reads record files; it needs \"backend\": \"files\"")
+        wait = mine.get("save_wait_s", 0.0)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 86400:
+            raise ConfigError(f"save_wait_s: must be seconds from 0 to 86400 (0: drop saves that do not "
+                              f"fit, as a server must), got {wait!r}")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
                    save_partial_chunks=partial, load_async=load_async, prefetch_bytes=prefetch,
-                   prefetch_reader=reader)
+                   prefetch_reader=reader, save_wait_s=float(wait))

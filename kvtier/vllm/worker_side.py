@@ -86,8 +86,12 @@ class _LoadJob:
 class WorkerSide:
     def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
                  kv_caches: dict[str, torch.Tensor], content: Content, block_size: int,
-                 any_rank: Callable[[bool], bool] | None = None) -> None:
+                 any_rank: Callable[[bool], bool] | None = None, save_wait_s: float = 0.0) -> None:
         self.store = store
+        # offline producers (warm-up) only: how long a step may wait for the writer to make
+        # room rather than drop saves; a server's is 0 (its model thread never waits)
+        self.save_wait_s = save_wait_s
+        self._save_deadline: float | None = None
         # whether a flag is set on any tensor-parallel rank (every rank calls it in the same
         # steps); None: this rank alone (tensor_parallel_size 1)
         self._any_rank = any_rank
@@ -159,6 +163,7 @@ class WorkerSide:
         buffer for each, and their block ids uploaded to the device in one copy (call inside
         ``after_compute``)."""
         unsafe = self._unsafe_save_steps > 0  # nothing of this step is saved (UNSAFE_SAVE_STEPS)
+        self._save_deadline = time.monotonic() + self.save_wait_s if self.save_wait_s else None
         stored = [False] * len(meta.saves) if unsafe else self.store.present_each(
             [spec.keys[self.rank] for spec in meta.saves])
         # A chunk stored already was used all the same (from vLLM's own prefix cache, or a
@@ -171,7 +176,7 @@ class WorkerSide:
                 staged.append(_Staged(spec, None, "save_unsafe_chunks" if unsafe else "save_skipped_chunks"))
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
-            buf = self.store.buffer(shape, self.dtype)
+            buf = self.store.buffer(shape, self.dtype, wait_until=self._save_deadline)
             staged.append(_Staged(spec, buf, "save_dropped_chunks"))
         copying = [st for st in staged if st.buf is not None]
         self._staged_index = self._save_index.take()
@@ -247,7 +252,8 @@ class WorkerSide:
             ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self._save_namespace,
                                 token_start=s.spec.token_start, num_tokens=s.spec.num_tokens,
                                 group=s.spec.keys[0], parent=parents[self.rank] if parents else None,
-                                head=s.spec.head_keys[self.rank] if s.spec.head_keys else None, ready=ready)
+                                head=s.spec.head_keys[self.rank] if s.spec.head_keys else None, ready=ready,
+                                wait_until=self._save_deadline)
             self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
                        save_dropped_chunks=0 if ok else 1)
 

@@ -218,7 +218,9 @@ def _run_vllm(model: str, prompts: list[Prompt], config: dict[str, Any], setting
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    extra = {**config, "path": str(settings.cache.path)}  # the connector's default path, made explicit
+    # the connector's default path, made explicit; saves wait for the disk rather than drop
+    # what a step's saves would overflow (an offline producer may wait, a server may not)
+    extra = {"save_wait_s": FLUSH_TIMEOUT_S, **config, "path": str(settings.cache.path)}
     ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_producer",
                            kv_connector_module_path="kvtier.vllm.connector", kv_connector_extra_config=extra)
     kwargs = {"dtype": dtype, "block_size": block_size, **engine_args}

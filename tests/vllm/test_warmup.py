@@ -254,6 +254,20 @@ def test_long_prompt_through_a_small_write_queue_is_stored_whole(tiny_model: Pat
     assert got[0].num_cached_tokens == _hits(len(LONG))
 
 
+def test_a_vllm_warmup_waits_for_the_disk_instead_of_dropping_saves(tiny_model: Path, tmp_path: Path) -> None:
+    """A prefill step saves far more than the write queue holds. A server drops what does not
+    fit (its model thread must not wait for the disk); the warm-up engine's connector waits
+    (``save_wait_s``), so every chunk is stored."""
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": LONG}])
+    small = {"write_queue_bytes": "256K", "durability": "power"}  # one chunk; a sync per commit
+    dropping = warmup(str(tiny_model), prompts, engine="vllm", block_size=32, engine_args=VLLM_ARGS, **F32,
+                      config={"path": str(tmp_path / "a"), **small, "save_wait_s": 0})
+    assert dropping.chunks_stored < 9  # what a server would have done with this step
+    report = warmup(str(tiny_model), prompts, engine="vllm", block_size=32, engine_args=VLLM_ARGS, **F32,
+                    config={"path": str(tmp_path / "b"), **small})
+    assert report.errors == [] and report.chunks_stored == 9 == _records_in(tmp_path / "b")
+
+
 def _cli(tiny_model: Path, prompts: Path, config: dict[str, object]) -> list[str]:
     return ["warmup", "--model", str(tiny_model), "--prompts", str(prompts), "--engine", "transformers",
             "--config", json.dumps(config), "--dtype", "float32", "--block-size", "32", "--json"]
