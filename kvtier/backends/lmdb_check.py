@@ -40,17 +40,38 @@ _CHECKED_LOCK = threading.Lock()
 
 
 # What the OS reports when a store's files are fine but cannot be used now: never damage.
-# (Not ENOMEM: a damaged meta page makes LMDB map an impossible size and fail with it.)
+# (Not ENOMEM in general: a damaged meta page makes LMDB map an impossible size and fail with
+# it. Only under an address-space limit, see _address_space_limit.)
 _NOT_DAMAGE = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EACCES: "access", errno.EPERM: "access",
                errno.EROFS: "read-only"}
 
 
+def _address_space_limit() -> int | None:
+    """This process's address-space limit (``ulimit -v``), if one is set. LMDB maps a whole
+    environment, so under a limit a healthy store can fail to open with ENOMEM."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, lmdb.MemoryError | MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    return isinstance(exc, lmdb.Error) and os.strerror(errno.ENOMEM) in str(exc)
+
+
 def not_damage(exc: BaseException) -> str | None:
     """What an error opening or writing an LMDB environment says about the system rather
-    than about its files: ``"full"``, ``"access"`` or ``"read-only"``; None for anything
-    else (py-lmdb reports most OS errors as a plain ``lmdb.Error`` naming them)."""
+    than about its files: ``"full"``, ``"access"``, ``"read-only"`` or ``"address-space"``;
+    None for anything else (py-lmdb reports most OS errors as a plain ``lmdb.Error`` naming
+    them)."""
     if isinstance(exc, lmdb.DiskError | lmdb.MapFullError):
         return "full"
+    if _out_of_memory(exc) and _address_space_limit() is not None:
+        return "address-space"
     if isinstance(exc, lmdb.ReadonlyError):
         return "access"
     if isinstance(exc, OSError) and exc.errno in _NOT_DAMAGE:
@@ -71,6 +92,11 @@ def unusable_store(path: Path, exc: BaseException) -> Exception:
     if kind == "full":
         return StoreFull(f"{path}: no space left on the store's file system ({what}); free space "
                          "(or lower disk_bytes), then retry")
+    if kind == "address-space":
+        return StoreError(f"{path}: the store's LMDB files cannot be mapped under this process's "
+                          f"address-space limit (ulimit -v: {_address_space_limit()} bytes; {what}); LMDB "
+                          "maps each environment whole (an lmdb store's records: up to disk_bytes): "
+                          "raise or remove the limit, or use a store on the files backend")
     if kind in ("access", "read-only"):
         return StoreError(f"{path}: the store's files cannot be opened for what this process needs "
                           f"({what}); LMDB needs write access to its lock files even to read: run as "

@@ -100,3 +100,33 @@ def test_helper_that_cannot_run_opens_unchecked(tmp_path: Path, monkeypatch: pyt
     with caplog.at_level(logging.WARNING, logger="kvtier"), open_cache(store, "lmdb") as cache:
         assert _loads_intact(cache, 1)
     assert "opening it unchecked" in caplog.text
+
+
+def test_an_address_space_limit_is_not_damage(tmp_path: Path) -> None:
+    """LMDB maps a whole environment (an lmdb store's records: up to disk_bytes, 64G by
+    default). Under ``ulimit -v`` a healthy store fails to map with ENOMEM, which without a
+    limit means a damaged meta page. With a limit set it is reported as the limit, with what
+    to do, and never as damage to delete."""
+    from kvhelpers import REPO
+
+    store = tmp_path / "s"
+    toks = seq_tokens(0)
+    with open_cache(store, "lmdb", disk_bytes="64G") as cache:
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+    script = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))\n"
+        "from kvtier import CacheConfig, ChunkStore\n"
+        "from kvtier.errors import StoreDamaged\n"
+        "try:\n"
+        f"    ChunkStore(CacheConfig(path={str(store)!r})).close()\n"
+        "except StoreDamaged as exc:\n"
+        "    print('DAMAGED', exc)\n"
+        "except Exception as exc:\n"
+        "    print('REFUSED', exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr
+    assert "address-space limit (ulimit -v" in out.stdout and "raise or remove the limit" in out.stdout
+    with open_cache(store, "lmdb", disk_bytes="64G") as cache:  # untouched: intact without the limit
+        got = cache.load(toks)
+        assert got.shape[2] == cache.lookup(toks) > 0 and same_bits(got, make_kv(toks[: got.shape[2]]))
