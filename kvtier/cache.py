@@ -131,6 +131,7 @@ class KVCache:
             if self.store.put(ref.key, chunk, namespace_id=self.namespace.id, token_start=ref.start,
                               num_tokens=ref.num_tokens, parent=ref_parent, head=head, wait_until=until):
                 queued += ref.num_tokens
+            chunk = None  # the store's now: this name must not keep it from the pool while we wait
         return queued
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, extras: RequestExtras = NO_EXTRAS) -> int:

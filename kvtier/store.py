@@ -172,8 +172,9 @@ class ChunkStore:
         """Wait until the write queue can take ``nbytes`` more (or could never: then
         :meth:`put` drops the chunk), or the monotonic ``deadline``."""
         limit = int(self.config.write_queue_bytes)
-        wait_while(self._cv, lambda: not self._closed and self._queued_bytes > 0
-                   and self._queued_bytes + nbytes > limit, deadline)
+        if nbytes <= limit:
+            wait_while(self._cv, lambda: not self._closed and self._queued_bytes > 0
+                       and self._queued_bytes + nbytes > limit, deadline)
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *,
                wait_until: float | None = None) -> torch.Tensor | None:

@@ -127,6 +127,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = self._kv_transfer_config
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
+        if self.settings.save_wait_s and ktc.kv_role != "kv_producer":
+            raise ConfigError("save_wait_s: only for an offline producer (kv_role \"kv_producer\", as "
+                              "kvtier warmup runs); an engine that serves must never wait for storage")
         # A cache miss must never fail a request: vLLM reads this right after creating us.
         ktc.kv_load_failure_policy = self.settings.load_failure_policy
         self._can_save = ktc.kv_role in ("kv_both", "kv_producer")

@@ -14,6 +14,7 @@ from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+MAX_SAVE_WAIT_S = 1200.0
 
 
 @dataclass
@@ -75,9 +76,11 @@ class ConnectorSettings:
             if cache.backend != "files":
                 raise ConfigError("prefetch_reader: 'dali' reads record files; it needs \"backend\": \"files\"")
         wait = mine.get("save_wait_s", 0.0)
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 86400:
-            raise ConfigError(f"save_wait_s: must be seconds from 0 to 86400 (0: drop saves that do not "
-                              f"fit, as a server must), got {wait!r}")
+        # (bounded well below torch.distributed's 30-minute collective timeout: tensor-parallel
+        # ranks agree on each step's loads through a collective while one rank may wait here)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_SAVE_WAIT_S:
+            raise ConfigError(f"save_wait_s: must be seconds from 0 to {MAX_SAVE_WAIT_S:.0f} (0: drop saves "
+                              f"that do not fit, as a server must), got {wait!r}")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
                    save_partial_chunks=partial, load_async=load_async, prefetch_bytes=prefetch,
                    prefetch_reader=reader, save_wait_s=float(wait))

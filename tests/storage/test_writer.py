@@ -281,7 +281,8 @@ def test_an_offline_save_larger_than_the_queue_waits_for_room(tmp_path: Path) ->
         cache.save(toks, make_kv(toks))
         assert cache.flush(30)
         assert cache.stats()["dropped_saves"] > 0 and cache.lookup(toks) < len(toks)
-    with open_cache(tmp_path / "b", "files", **slow) as cache:
+    # (no host tier: the pool is the queue's one chunk, which the caller must not keep)
+    with open_cache(tmp_path / "b", "files", **slow, host_bytes=0) as cache:
         assert cache.save(toks, make_kv(toks), wait=30) == len(toks)
         assert cache.flush(30)
         assert cache.stats()["dropped_saves"] == 0 and cache.lookup(toks) == len(toks)

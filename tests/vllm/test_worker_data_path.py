@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,35 @@ def test_a_synchronous_load_that_raises_fails_its_blocks_instead_of_the_step(tmp
         assert store.flush(30)
         assert store.backend.present_each([key]) == [False]
         worker.close()
+
+
+def test_an_offline_producer_waits_for_buffers_across_back_to_back_steps(tmp_path: Path) -> None:
+    """``save_wait_s`` (warm-up): steps that each save most of the pool wait for the writer
+    instead of dropping saves. The buffers of the step before, copied already, go back
+    before this step asks for its own (they were held until the step's end, so every second
+    step found the pool empty and dropped)."""
+    from kvtier.vllm.metadata import SaveSpec
+
+    g = Geometry(num_blocks=256)
+    per = g.chunk_tokens // g.block_size
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=1)  # a pool of 8 chunks
+    with ChunkStore(cfg) as store:
+        commit = store._commit
+
+        def slow_commit(batch: object, items: object) -> None:  # a disk slower than the steps
+            time.sleep(0.1)
+            commit(batch, items)  # type: ignore[arg-type]
+
+        store._commit = slow_commit  # type: ignore[method-assign]
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        worker.save_wait_s = 30.0
+        saved = []
+        for step in range(3):
+            specs = [SaveSpec(f"r{step}", (os.urandom(32),), 0, g.chunk_tokens,
+                              list(range(j * per, (j + 1) * per))) for j in range(6)]
+            save_step(worker, caches, specs, layer_hooks=True)
+            saved.append(worker.take_stats().get("save_chunks", 0))
+        assert store.flush(60)
+        worker.close()
+        assert saved == [6, 6, 6] and store.counters.snapshot()["dropped_saves"] == 0
