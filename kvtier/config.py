@@ -73,13 +73,14 @@ class CacheConfig:
     @property
     def chosen(self) -> frozenset[str]:
         """The settings given when this config was made (the others are defaults)."""
-        return self._chosen
+        # (a config pickled by a kvtier before this attribute: every setting counts as given)
+        return getattr(self, "_chosen", frozenset(f.name for f in dataclasses.fields(self)))
 
     def replaced(self, **changes: Any) -> CacheConfig:
         """A copy with ``changes``, keeping which settings were chosen; the others are
         derived again (``dataclasses.replace`` would count every setting as chosen, and keep
         a backend followed from the old path's store)."""
-        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in self._chosen}
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in self.chosen}
         return type(self)(**{**given, **changes})
 
     @classmethod

@@ -195,8 +195,8 @@ class ChunkStore:
                 self._cv.wait(min(left, 0.05))
         if t is None:
             self.counters.add(dropped_saves=1)
-            self._warn.warning("pool", "kvtier: no free chunk buffer (the write queue holds them "
-                               "all); dropping saves")
+            self._warn.warning("pool", "kvtier: no free chunk buffer (the write queue, the host tier's "
+                               "loads and the chunks being copied hold them all); dropping saves")
         else:
             self._fresh[id(t)] = t
         return t
@@ -777,8 +777,10 @@ class ChunkStore:
                 self._queue.clear()
             self._closed = True
             self._cv.notify_all()
-        threads = [self._writer, self._committer, *getattr(self._loads, "_threads", ())]
+        # shut the pool first: a sweep the writer's last beat submits either starts before
+        # this (and is listed, so joined) or is refused
         self._loads.shutdown(wait=False, cancel_futures=True)
+        threads = [self._writer, self._committer, *getattr(self._loads, "_threads", ())]
         for t in threads:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))

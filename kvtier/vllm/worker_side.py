@@ -163,7 +163,11 @@ class WorkerSide:
         buffer for each, and their block ids uploaded to the device in one copy (call inside
         ``after_compute``)."""
         unsafe = self._unsafe_save_steps > 0  # nothing of this step is saved (UNSAFE_SAVE_STEPS)
-        self._release_landed()  # the last step's buffers whose copies are done (never waits)
+        if self.save_wait_s:  # an offline producer may wait: for the last steps' copies, so
+            # that their buffers can go back to the pool (no name here may hold a buffer)
+            for event in [e for e, _ in self._in_flight if e is not None]:
+                event.synchronize()
+        self._release_landed()  # the last steps' buffers whose copies are done (never waits)
         self._save_deadline = time.monotonic() + self.save_wait_s if self.save_wait_s else None
         stored = [False] * len(meta.saves) if unsafe else self.store.present_each(
             [spec.keys[self.rank] for spec in meta.saves])

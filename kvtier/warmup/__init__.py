@@ -158,6 +158,10 @@ def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: s
 # Longest wait for a prompt's chunks to reach the disk: bounded, so that a hung disk ends
 # the warm-up with an error instead of hanging it.
 FLUSH_TIMEOUT_S = 600.0
+# The vLLM engine's connector waits at most this long per step for the writer: below vLLM's
+# own limit on a step of a multi-process engine (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s
+# by default), past which it stops the engine.
+VLLM_SAVE_WAIT_S = 240.0
 
 
 @dataclass
@@ -220,7 +224,7 @@ def _run_vllm(model: str, prompts: list[Prompt], config: dict[str, Any], setting
 
     # the connector's default path, made explicit; saves wait for the disk rather than drop
     # what a step's saves would overflow (an offline producer may wait, a server may not)
-    extra = {"save_wait_s": FLUSH_TIMEOUT_S, **config, "path": str(settings.cache.path)}
+    extra = {"save_wait_s": VLLM_SAVE_WAIT_S, **config, "path": str(settings.cache.path)}
     ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_producer",
                            kv_connector_module_path="kvtier.vllm.connector", kv_connector_extra_config=extra)
     kwargs = {"dtype": dtype, "block_size": block_size, **engine_args}

@@ -175,6 +175,9 @@ def test_a_config_that_names_no_backend_follows_the_stores(tmp_path: Path, creat
     from kvtier.vllm.settings import ConnectorSettings
 
     assert CacheConfig(path=tmp_path / "new").backend == "files"
+    older = CacheConfig(path=tmp_path / "new")
+    del older.__dict__["_chosen"]  # as unpickled from a kvtier that did not record it
+    assert "backend" in older.chosen  # every setting counts as given, as it then did
     d = tmp_path / "s"
     _save_one(d, created)
     settings = ConnectorSettings.from_extra_config({"path": str(d), "chunk_tokens": CHUNK})

@@ -202,17 +202,35 @@ def test_a_synchronous_load_that_raises_fails_its_blocks_instead_of_the_step(tmp
         worker.close()
 
 
-def test_an_offline_producer_waits_for_buffers_across_back_to_back_steps(tmp_path: Path) -> None:
+class _LateEvent:
+    """A device event whose copies land ``delay`` s after the step (a GPU under vLLM's
+    asynchronous scheduling: the next step is planned before the last one's copies are
+    done); the CPU has no events, so this stands in for the GPU's on the same code path."""
+
+    def __init__(self, delay: float) -> None:
+        self.at = time.monotonic() + delay
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.monotonic()))
+
+
+@pytest.mark.parametrize("copies_land_late", [False, True])
+def test_an_offline_producer_waits_for_buffers_across_back_to_back_steps(tmp_path: Path,
+                                                                         copies_land_late: bool) -> None:
     """``save_wait_s`` (warm-up): steps that each save most of the pool wait for the writer
-    instead of dropping saves. The buffers of the step before, copied already, go back
-    before this step asks for its own (they were held until the step's end, so every second
-    step found the pool empty and dropped)."""
+    instead of dropping saves. The buffers of the steps before go back before this step asks
+    for its own, once their copies are done (waited for, here: an offline producer may):
+    they were held until the step's end, so every second step found the pool empty."""
     from kvtier.vllm.metadata import SaveSpec
 
     g = Geometry(num_blocks=256)
     per = g.chunk_tokens // g.block_size
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
-                      write_queue_bytes=4 * g.chunk_bytes, io_threads=1)  # a pool of 8 chunks
+    host, per_step = (1, 4) if copies_land_late else (4, 6)  # a pool of 5 or 8 chunks
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=host * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=1)
     with ChunkStore(cfg) as store:
         commit = store._commit
 
@@ -223,12 +241,15 @@ def test_an_offline_producer_waits_for_buffers_across_back_to_back_steps(tmp_pat
         store._commit = slow_commit  # type: ignore[method-assign]
         worker, caches = make_worker(store, g, "kv_last", "cpu")
         worker.save_wait_s = 30.0
+        if copies_land_late:
+            worker.copies.record = lambda: _LateEvent(0.3)  # type: ignore[method-assign]
+            worker.copies.compute_waits_for = lambda event: None  # type: ignore[method-assign]
         saved = []
         for step in range(3):
             specs = [SaveSpec(f"r{step}", (os.urandom(32),), 0, g.chunk_tokens,
-                              list(range(j * per, (j + 1) * per))) for j in range(6)]
+                              list(range(j * per, (j + 1) * per))) for j in range(per_step)]
             save_step(worker, caches, specs, layer_hooks=True)
             saved.append(worker.take_stats().get("save_chunks", 0))
         assert store.flush(60)
         worker.close()
-        assert saved == [6, 6, 6] and store.counters.snapshot()["dropped_saves"] == 0
+        assert saved == [per_step] * 3 and store.counters.snapshot()["dropped_saves"] == 0
