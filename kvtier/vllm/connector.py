@@ -280,6 +280,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
+        if meta is not None and meta.uses:
+            self._worker.record_uses(meta.uses)  # type: ignore[union-attr]
         if meta is not None and meta.loads:
             self._worker.start_loads(meta)  # type: ignore[union-attr]
         elif self._worker is None and self.has_connector_metadata():

@@ -49,3 +49,7 @@ class KVTierMetadata(KVConnectorMetadata):
     # keys were derived from, even where a worker's copy of the config was changed by the
     # model while loading.
     namespace_ids: tuple[bytes, ...] = ()
+    # Per rank, the keys of stored chunks that requests used from vLLM's own prefix cache, for
+    # the store's LRU (an engine that saves says so through its skipped saves; one that only
+    # loads, through this).
+    uses: list[tuple[bytes, ...]] = field(default_factory=list)

@@ -76,6 +76,7 @@ class SchedulerSide:
         # req -> (local hit in tokens, [(chunk, tokens of it to load)])
         self._plans: dict[str, tuple[int, list[tuple[RankedChunk, int]]]] = {}
         self._loads: list[LoadSpec] = []
+        self._uses: list[tuple[bytes, ...]] = []
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -127,6 +128,8 @@ class SchedulerSide:
             return 0, False
         self.lookups += 1
         hits = self._match(st)
+        if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses)
+            self._uses.extend(c.keys for c in hits if c.end <= num_computed_tokens)
         # Leave at least one prompt token to compute; stay block aligned.
         limit = (len(st.tokens) - 1) // self.block_size * self.block_size
         end = min(hits[-1].end if hits else 0, limit)
@@ -162,8 +165,8 @@ class SchedulerSide:
         self._loads.append(LoadSpec(request.request_id, chunks, sync=not self.load_async))
 
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, namespace_ids=self.namespace_ids)
-        self._loads = []
+        meta = KVTierMetadata(loads=self._loads, namespace_ids=self.namespace_ids, uses=self._uses)
+        self._loads, self._uses = [], []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:

@@ -158,6 +158,11 @@ class WorkerSide:
                 self._plan_saves(meta)
             self._gather(li)
 
+    def record_uses(self, uses: list[tuple[bytes, ...]]) -> None:
+        """Stored chunks requests used from vLLM's own prefix cache (per rank keys): uses for
+        the store's LRU (a dict insert; never waits)."""
+        self.store.touch(keys[self.rank] for keys in uses)
+
     def _plan_saves(self, meta: KVTierMetadata) -> None:
         """Which of the step's chunks to copy (one index read for all of them), a pooled
         buffer for each, and their block ids uploaded to the device in one copy (call inside

@@ -111,3 +111,25 @@ def test_a_prefix_served_by_vllms_own_cache_stays_recent_in_the_store(tiny_model
         assert {k: store.backend.lookup(k).location for k in first if store.backend.lookup(k)} == first
     with Engine(tiny_model, ktc) as e:  # "after a restart"
         assert e.generate([hot], max_tokens=1)[0].num_cached_tokens >= 768
+
+
+def test_an_engine_that_only_loads_counts_its_own_cache_hits_as_uses(tiny_model: Path, store_dir: Path) -> None:
+    """A ``kv_consumer`` (a read-only replica) never saves, so no skipped save says that a
+    prefix its vLLM cache served was used: the scheduler passes those uses to the worker,
+    and the store's LRU sees them."""
+    import time
+
+    from kvtier import CacheConfig, ChunkStore
+
+    hot = tokens(3 * 256 + 40, seed=80)
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        e.generate([hot], max_tokens=1)
+        assert e.worker_connector._store.flush(30)
+    with Engine(tiny_model, kv_transfer_config(store_dir, role="kv_consumer")) as e:
+        assert e.generate([hot], max_tokens=1)[0].num_cached_tokens >= 768  # loaded: a use
+        time.sleep(1.2)
+        between = time.time_ns()
+        assert e.generate([hot], max_tokens=1)[0].num_cached_tokens >= 768  # vLLM's own cache
+    with ChunkStore(CacheConfig(path=store_dir)) as store:
+        stamps = [x.atime_ns for x in store.backend.entries()]
+    assert len(stamps) >= 3 and min(stamps) >= between, (stamps, between)
