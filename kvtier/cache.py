@@ -113,7 +113,7 @@ class KVCache:
         arr = as_token_array(tokens)
         self._check_kv(kv, len(arr))
         kv = kv.detach().cpu()
-        deadline = time.monotonic() + wait
+        until = time.monotonic() + wait if wait > 0 else None  # (this whole call's deadline)
         queued = 0
         parent: bytes | None = None
         refs = self.chunks(arr, extras)
@@ -123,7 +123,6 @@ class KVCache:
             if self.store.count_present_prefix([ref.key]):
                 continue
             part = kv.narrow(TOKEN_AXIS, ref.start, ref.num_tokens)
-            until = deadline if wait > 0 else None
             chunk = self.store.buffer(tuple(part.shape), part.dtype, wait_until=until)  # pooled: no allocation per chunk
             if chunk is None:
                 continue  # every buffer is queued for writing: dropped (and counted), like a full queue

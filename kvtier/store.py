@@ -733,9 +733,9 @@ class ChunkStore:
         return done
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        """Record a use of stored chunks for LRU eviction (a chunk used where no load read
-        it: vLLM's own prefix cache held it). Never waits: the writer thread applies uses in
-        batches, before its next commit evicts."""
+        """Record a use of stored chunks for LRU eviction (a load, or a use no load saw:
+        vLLM's own prefix cache held the chunk). Never waits: the writer thread applies uses
+        in batches, before its next commit evicts."""
         if not self.readonly:
             now = time.time_ns()
             with self._cv:

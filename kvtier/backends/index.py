@@ -329,9 +329,10 @@ class StoreIndex:
         yet (one transaction: two first writers cannot both miss a value); return what they
         were before."""
         with self._write() as txn:
-            old = _json_object(txn.get(_SETTINGS_KEY, db=self._info))
+            raw = txn.get(_SETTINGS_KEY, db=self._info)
+            old = _json_object(raw)
             new = json.dumps({**(defaults or {}), **old, **settings}, sort_keys=True).encode()
-            if new != txn.get(_SETTINGS_KEY, db=self._info):
+            if raw is None or new != bytes(raw):
                 txn.put(_SETTINGS_KEY, new, db=self._info)
         return old
 
@@ -544,12 +545,12 @@ class StoreIndex:
         process's that never unregistered. A writer whose own last beat is overdue (it was
         stalled: a hung disk, a held write lock) judges no row stale, as the others' may be
         overdue for the same reason."""
-        mine = self._writer_prefix() + os.getpid().to_bytes(4, "little")
+        scope = self._writer_prefix()
+        mine = scope + os.getpid().to_bytes(4, "little")
         now = time.time_ns()
         dead: list[int] = []
-        found = False
         with self._write() as txn:
-            rows = self._writer_rows(txn, _WRITER)
+            rows = self._writer_rows(txn)
             own = next((beat_ns for _, key, beat_ns in rows if key == mine), None)
             found = first and own is not None
             stalled = not first and own is not None and now - own > 2 * WRITER_BEAT_S * 1e9
@@ -557,7 +558,7 @@ class StoreIndex:
                 if key == mine:
                     continue
                 stale = not stalled and now - beat_ns > WRITER_STALE_S * 1e9
-                here = key.startswith(self._writer_prefix()) and not pid_alive(pid)
+                here = key.startswith(scope) and not pid_alive(pid)
                 if here or stale:
                     found = True
                     if here:
@@ -566,15 +567,15 @@ class StoreIndex:
             txn.put(mine, _BE64.pack(now), db=self._info)
         return dead if found else None
 
-    def _writer_rows(self, txn: lmdb.Transaction, prefix: bytes) -> list[tuple[int, bytes, int]]:
-        """``(pid, row key, last beat in ns)`` of the writers registered under ``prefix``
-        (a pid scope, or all); a row whose time cannot be read counts as never refreshed."""
+    def _writer_rows(self, txn: lmdb.Transaction) -> list[tuple[int, bytes, int]]:
+        """``(pid, row key, last beat in ns)`` of every registered writer, in every pid
+        scope; a row whose time cannot be read counts as never refreshed."""
         rows = []
         cur = txn.cursor(db=self._info)
-        if cur.set_range(prefix):
+        if cur.set_range(_WRITER):
             for k, v in cur:
                 k = bytes(k)
-                if not k.startswith(prefix):
+                if not k.startswith(_WRITER):
                     break
                 beat_ns = _BE64.unpack(v)[0] if len(v) == _BE64.size else 0
                 rows.append((int.from_bytes(k[-4:], "little"), k, beat_ns))
@@ -585,7 +586,7 @@ class StoreIndex:
         a payload carrying one of them may be a live writer's there, whatever pid it is here."""
         mine = self._writer_prefix()
         with self.env.txn() as txn:
-            rows = self._writer_rows(txn, _WRITER)
+            rows = self._writer_rows(txn)
         return {pid for pid, key, _ in rows if not key.startswith(mine)}
 
     def unregister_writer(self) -> None:

@@ -176,18 +176,20 @@ class WorkerSide:
         self._save_deadline = time.monotonic() + self.save_wait_s if self.save_wait_s else None
         stored = [False] * len(meta.saves) if unsafe else self.store.present_each(
             [spec.keys[self.rank] for spec in meta.saves])
-        # A chunk stored already was used all the same (from vLLM's own prefix cache, or a
-        # load): say so, or the store's LRU would evict the hottest prefixes first, those
-        # that never need a load while the server runs (and do after a restart).
-        self.store.touch(spec.keys[self.rank] for spec, there in zip(meta.saves, stored, strict=True) if there)
         staged = []
+        used = []
         for spec, there in zip(meta.saves, stored, strict=True):
+            if there:  # stored already, and used all the same (see record_uses)
+                used.append(spec.keys[self.rank])
             if unsafe or there:
                 staged.append(_Staged(spec, None, "save_unsafe_chunks" if unsafe else "save_skipped_chunks"))
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
             buf = self.store.buffer(shape, self.dtype, wait_until=self._save_deadline)
             staged.append(_Staged(spec, buf, "save_dropped_chunks"))
+        # A use from vLLM's own prefix cache (or a load): else the store's LRU would evict the
+        # hottest prefixes first, those that never need a load while the server runs.
+        self.store.touch(used)
         copying = [st for st in staged if st.buf is not None]
         self._staged_index = self._save_index.take()
         for st, idx in zip(copying, self._staged_index.upload([st.spec.block_ids for st in copying]), strict=True):

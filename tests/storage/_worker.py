@@ -339,7 +339,6 @@ def forked_readers(path: str, backend: str) -> dict[str, Any]:
     """Open a cache, then fork two children that use the inherited cache: one only reads and
     leaves with ``os._exit`` (as a worker pool's child does), one saves and then closes.
     Returns the pids, and the writer rows' pids in the index afterwards."""
-    from kvtier.backends.index import _WRITER
 
     torch.set_num_threads(1)
     cache = H.open_cache(path, backend)
@@ -359,7 +358,7 @@ def forked_readers(path: str, backend: str) -> dict[str, Any]:
                     cache.save(more, H.make_kv(more))
                     assert cache.flush(30)
                     with cache.store.backend.index.env.txn() as txn:
-                        rows = cache.store.backend.index._writer_rows(txn, _WRITER)
+                        rows = cache.store.backend.index._writer_rows(txn)
                     registered = os.getpid() in {p for p, _, _ in rows}
                     cache.close()
                 else:
@@ -373,7 +372,7 @@ def forked_readers(path: str, backend: str) -> dict[str, Any]:
         rep = _collect(pid, r, 60)
         index = cache.store.backend.index
         with index.env.txn() as txn:  # (before anyone's next beat deletes a dead child's row)
-            rep["writer_rows_after"] = [p for p, _, _ in index._writer_rows(txn, _WRITER)]
+            rep["writer_rows_after"] = [p for p, _, _ in index._writer_rows(txn)]
         pids.append((pid, rep))
     cache.close()
     return {"children": [{"pid": pid, **rep} for pid, rep in pids], "parent": os.getpid()}

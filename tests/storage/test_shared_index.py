@@ -368,10 +368,9 @@ def _writer_row(index: object, scope: bytes, pid: int, beat_s: float) -> bytes:
 
 
 def _writer_keys(index: object) -> set[bytes]:
-    from kvtier.backends.index import _WRITER
 
     with index.env.txn() as txn:  # type: ignore[attr-defined]
-        return {key for _, key, _ in index._writer_rows(txn, _WRITER)}  # type: ignore[attr-defined]
+        return {key for _, key, _ in index._writer_rows(txn)}  # type: ignore[attr-defined]
 
 
 def test_a_killed_containers_writer_goes_stale_and_its_orphans_are_swept(tmp_path: Path, backend: str) -> None:
@@ -418,7 +417,7 @@ def test_a_running_writer_refreshes_its_row_and_notices_a_crash_without_a_restar
 
         def my_beat() -> int:
             with index.env.txn() as txn:
-                return next(t for _, k, t in index._writer_rows(txn, _WRITER) if k == mine)
+                return next(t for _, k, t in index._writer_rows(txn) if k == mine)
 
         first = my_beat()
         item = _item(_key("left by a crash"), 6)
