@@ -15,6 +15,7 @@ rounded down to ``tail_granularity`` tokens, so an exact re-sent sequence hits i
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,18 +48,11 @@ class KVCache:
 
     def __init__(self, store: ChunkStore, namespace: Namespace, *, tail_granularity: int = 16,
                  owns_store: bool = True) -> None:
-        if namespace.chunk_tokens != store.config.chunk_tokens:
-            raise ConfigError(
-                f"chunk_tokens: namespace says {namespace.chunk_tokens}, store config says "
-                f"{store.config.chunk_tokens}; they must agree")
-        if not 0 < tail_granularity <= namespace.chunk_tokens or namespace.chunk_tokens % tail_granularity:
-            raise ConfigError(
-                f"tail_granularity: must divide chunk_tokens ({namespace.chunk_tokens}), got {tail_granularity}")
+        self._dtype = _check_fits(namespace, store.config, tail_granularity)
         self.store = store
         self.namespace = namespace
         self.tail_granularity = tail_granularity
         self._owns_store = owns_store
-        self._dtype = _torch_dtype(namespace.dtype)
         if not store.readonly:
             store.backend.register_namespace(namespace.id, namespace.describe())
 
@@ -68,6 +62,7 @@ class KVCache:
         """Open (creating if needed) the store at ``path`` for ``namespace``."""
         cfg = config.replaced(path=Path(path)) if config else CacheConfig(
             path=Path(path), chunk_tokens=namespace.chunk_tokens)
+        _check_fits(namespace, cfg, tail_granularity)  # before the store is created or changed
         store = ChunkStore(cfg, readonly=readonly)
         try:
             return cls(store, namespace, tail_granularity=tail_granularity)
@@ -198,6 +193,24 @@ class KVCache:
             raise ValueError(f"kv must have shape {list(want)} ([layers, 2, tokens, kv_heads, head_dim]), got {list(kv.shape)}")
         if kv.dtype != self._dtype:
             raise ValueError(f"kv dtype {kv.dtype} differs from the namespace's {self.namespace.dtype}")
+
+
+def _check_fits(namespace: Namespace, config: CacheConfig, tail_granularity: int) -> torch.dtype:
+    """Refuse a namespace that ``config`` cannot store (ConfigError); its torch dtype."""
+    if namespace.chunk_tokens != config.chunk_tokens:
+        raise ConfigError(
+            f"chunk_tokens: namespace says {namespace.chunk_tokens}, store config says "
+            f"{config.chunk_tokens}; they must agree")
+    if not 0 < tail_granularity <= namespace.chunk_tokens or namespace.chunk_tokens % tail_granularity:
+        raise ConfigError(
+            f"tail_granularity: must divide chunk_tokens ({namespace.chunk_tokens}), got {tail_granularity}")
+    dtype = _torch_dtype(namespace.dtype)
+    chunk_bytes = math.prod(namespace.kv_shape) * namespace.chunk_tokens * dtype.itemsize
+    if chunk_bytes > config.max_record_bytes:
+        raise ConfigError(
+            f"max_record_bytes: {config.max_record_bytes} bytes is smaller than one chunk of this "
+            f"namespace ({chunk_bytes} bytes); raise it or lower chunk_tokens")
+    return dtype
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -18,6 +18,8 @@ from kvtier.units import parse_size
 BACKENDS = ("lmdb", "files")
 DURABILITY = ("process", "power")
 COMPRESSION = ("none", "zstd")
+# Longer waits than this are a mistake (and past what a thread join can take).
+MAX_CLOSE_TIMEOUT_S = 86400.0
 
 
 def default_store_path() -> Path:
@@ -133,8 +135,9 @@ class CacheConfig:
         if self.commit_bytes == 0:
             raise ConfigError("commit_bytes: must be above 0 (e.g. 64M)")
         if isinstance(self.close_timeout_s, bool) or not isinstance(self.close_timeout_s, int | float) \
-                or not self.close_timeout_s > 0:
-            raise ConfigError(f"close_timeout_s: must be a number of seconds above 0, got {self.close_timeout_s!r}")
+                or not 0 < self.close_timeout_s <= MAX_CLOSE_TIMEOUT_S:
+            raise ConfigError(f"close_timeout_s: must be a number of seconds above 0 and at most "
+                              f"{MAX_CLOSE_TIMEOUT_S:.0f} (a day), got {self.close_timeout_s!r}")
         self._validate_remote()
         if self.max_record_bytes < 4096:
             raise ConfigError("max_record_bytes: must be at least 4K")

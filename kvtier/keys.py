@@ -116,7 +116,7 @@ def chain_seed(namespace: Namespace, extras: RequestExtras = NO_EXTRAS) -> bytes
 
 def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian uint32 array (hashing views of it costs no copies)."""
-    if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4"):
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") and tokens.ndim == 1:
         return tokens
     if isinstance(tokens, list) and sys.byteorder == "little" and _UINT_IS_32:
         # array('I') converts a list of ints 3x faster than numpy and range-checks each one.
@@ -124,7 +124,16 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
             return np.frombuffer(array.array("I", tokens), dtype="<u4")
         except (OverflowError, TypeError):
             pass  # fall through for the precise error below
-    arr = np.asarray(tokens, dtype=np.int64)
+    try:
+        arr = np.asarray(tokens)
+    except (OverflowError, ValueError):  # ragged nesting, say
+        raise ValueError("token ids must be a one-dimensional sequence of integers") from None
+    if arr.size and arr.dtype.kind not in "iuO":  # 0.5 would silently key as token 0
+        raise ValueError(f"token ids must be integers, got {arr.dtype} values")
+    try:
+        arr = arr.astype(np.int64)
+    except (OverflowError, TypeError, ValueError):  # beyond int64, or not numbers at all
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):

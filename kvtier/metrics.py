@@ -20,6 +20,8 @@ class Counters:
     incompatible_records: int = 0
     oversized_records: int = 0  # intact, over this process's max_record_bytes: skipped, kept
     io_errors: int = 0
+    # index entries whose payload file was gone (deleted behind kvtier's back): entry removed
+    missing_payloads: int = 0
     # loads into host memory that found every pooled buffer in use and allocated one (pageable
     # memory with CUDA: a slower copy to the device); steady state: 0
     unpooled_loads: int = 0

@@ -222,6 +222,12 @@ class ChunkStore:
             raise RuntimeError("store opened read-only")
         item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head,
                         _from_remote, ready)
+        if item.nbytes > self.config.max_record_bytes:  # no process with this limit could load it
+            self.counters.add(dropped_saves=1)
+            self._warn.warning("oversized", "kvtier: a %d-byte chunk is over max_record_bytes (%d): "
+                               "dropping it; raise max_record_bytes or lower chunk_tokens",
+                               item.nbytes, self.config.max_record_bytes)
+            return False
         if wait_until is not None:
             self._wait_for_room(item.nbytes, wait_until)
         with self._cv:
@@ -463,6 +469,12 @@ class ChunkStore:
             stored = [False] * len(keys)
         return [there or k in self._pending for k, there in zip(keys, stored, strict=True)]
 
+    def queued_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is queued in this process to be written (memory only:
+        never waits for the index or the disk, so the model's thread may ask)."""
+        pending = self._pending
+        return [k in pending for k in keys]
+
     def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]]) -> int:
         """:meth:`count_present_prefix` for a chain's chunks ``(token_start, key)`` whose first
         chunk's key is ``head``: the index reads them side by side (fast also when cold)."""
@@ -534,6 +546,8 @@ class ChunkStore:
         except Exception as exc:
             return self._failed(Outcome.IO_ERROR, key, exc)
         if t is None:
+            if entry is not None and record is None:
+                self._drop_if_dangling(entry)
             if self.remote is not None:
                 return self._load_from_remote(key, out)
             self.counters.add(misses=1)
@@ -601,6 +615,24 @@ class ChunkStore:
         self.counters.add(misses=1, **{counter: 1})
         self._warn.warning(outcome.value, msg, key.hex()[:16], exc)
         return Loaded(outcome, why=str(exc))
+
+    def _drop_if_dangling(self, entry: EntryInfo) -> None:
+        """The payload of ``entry`` was not found. Evicted or rewritten meanwhile, the index
+        no longer names that version: a plain miss. Still named, the file was removed behind
+        the store's back (a record never becomes visible before its payload is written): the
+        entry can never load, and would keep the chunk from being saved again: drop it."""
+        if self.readonly:
+            return
+        try:
+            now = self.backend.lookup(entry.key)
+            if now is None or now.location != entry.location:
+                return
+            if self.backend.delete_entry(entry):
+                self.counters.add(missing_payloads=1)
+                self._warn.warning("missing", "kvtier: record %s had no payload file (removed by hand?); "
+                                   "dropped from the index", entry.key.hex()[:16])
+        except Exception as exc:  # housekeeping: the load is a miss either way
+            self._warn.warning("delete", "kvtier: could not drop an index entry without payload: %s", exc)
 
     def _remove_corrupt(self, entry: EntryInfo) -> None:
         if self.readonly:

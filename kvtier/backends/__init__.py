@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,7 +74,7 @@ def read_marker(root: Path) -> dict[str, object]:
         raise StoreError(f"{root}: not a directory; pass the store directory")
     marker = root / MARKER
     try:
-        info = json.loads(marker.read_text())
+        info = json.loads(_read_small_file(marker))
     except FileNotFoundError:
         raise StoreError(f"{root}: not a kvtier store (no {MARKER}); pass the directory a kvtier cache was opened on") from None
     except PermissionError:
@@ -83,7 +84,10 @@ def read_marker(root: Path) -> dict[str, object]:
     if not isinstance(info, dict) or info.get("format") != "kvtier-store":
         raise StoreError(f"{root}: {MARKER} is not a kvtier store marker")
     version = info.get("layout_version")
-    if not isinstance(version, int) or version > STORE_LAYOUT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise StoreError(f"{root}: {MARKER} has no valid layout_version ({version!r}); the store "
+                         "marker is damaged")
+    if version > STORE_LAYOUT_VERSION:
         raise StoreFormatError(
             f"{root}: store layout version {version} was written by a newer kvtier "
             f"(this one reads version {STORE_LAYOUT_VERSION}); upgrade kvtier or use another path"
@@ -95,9 +99,25 @@ def read_marker(root: Path) -> dict[str, object]:
             "its records: delete the directory (the cache refills itself) or point the "
             "cache at a new path"
         )
-    if info.get("backend") not in ("lmdb", "files"):
-        raise StoreError(f"{root}: unknown backend {info.get('backend')!r} in {MARKER}")
+    backend = info.get("backend")
+    if backend not in ("lmdb", "files"):
+        raise StoreError(f"{root}: unknown backend {backend!r} in {MARKER}")
+    other = "files" if backend == "lmdb" else "lmdb"
+    if (root / other).is_dir() and not (root / str(backend)).is_dir():
+        raise StoreError(f"{root}: {MARKER} says backend {backend!r}, but the store holds "
+                         f"{other!r} records ({other}/); the store marker is damaged")
     return info
+
+
+def _read_small_file(path: Path, limit: int = 1 << 20) -> str:
+    """A small regular file's text; refuses anything else (a FIFO would block forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        return os.read(fd, limit).decode()
+    finally:
+        os.close(fd)
 
 
 def _create_marker(root: Path, backend: str) -> None:
@@ -170,7 +190,7 @@ def _full_disk_as_store_full(root: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if not_damage(exc) != "full":
+        if not_damage(exc, root) != "full":
             raise
         raise unusable_store(root, exc) from None
 

@@ -322,8 +322,7 @@ class FilePayloads(PayloadStore):
     # -- reads ---------------------------------------------------------------------------
     def read(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
         try:
-            # O_NOFOLLOW: a store prepared by someone else must not lead reads out of it
-            fd = os.open(self._inside(entry.key, entry.location), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_record(self._inside(entry.key, entry.location))
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss
         try:
@@ -341,7 +340,7 @@ class FilePayloads(PayloadStore):
         """The record through a reader on its open file: the payload is read straight into
         the caller's buffer (one copy out of the page cache), not staged first."""
         try:
-            fd = os.open(self._inside(entry.key, entry.location), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_record(self._inside(entry.key, entry.location))
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss
         try:
@@ -354,7 +353,7 @@ class FilePayloads(PayloadStore):
     def read_head(self, entry: EntryInfo, n: int) -> tuple[bytes, int] | None:
         try:
             with open(self._inside(entry.key, entry.location), "rb", buffering=0,
-                      opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+                      opener=lambda p, f: open_record(p)) as f:
                 return f.read(n), os.fstat(f.fileno()).st_size
         except FileNotFoundError:
             return None
@@ -366,6 +365,17 @@ class FilePayloads(PayloadStore):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def open_record(path: str | Path) -> int:
+    """A record file opened for reading. A store prepared by someone else must not lead
+    reads out of it (``O_NOFOLLOW``), nor hang them: a FIFO or device in a record's place
+    is refused (``O_NONBLOCK`` opens it without waiting; it means nothing for a file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
 
 
 def _parse_name(name: str) -> tuple[bytes, int] | None:

@@ -42,6 +42,8 @@ _CHECKED_LOCK = threading.Lock()
 # What the OS reports when a store's files are fine but cannot be used now: never damage.
 # (Not ENOMEM in general: a damaged meta page makes LMDB map an impossible size and fail with
 # it. Only under an address-space limit, see _address_space_limit.)
+# Free space below which an I/O error while writing is taken for a full disk (see not_damage).
+NEARLY_FULL_BYTES = 64 << 20
 _NOT_DAMAGE = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EACCES: "access", errno.EPERM: "access",
                errno.EROFS: "read-only"}
 
@@ -63,12 +65,15 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, lmdb.Error) and os.strerror(errno.ENOMEM) in str(exc)
 
 
-def not_damage(exc: BaseException) -> str | None:
+def not_damage(exc: BaseException, where: Path | None = None) -> str | None:
     """What an error opening or writing an LMDB environment says about the system rather
     than about its files: ``"full"``, ``"access"``, ``"read-only"`` or ``"address-space"``;
     None for anything else (py-lmdb reports most OS errors as a plain ``lmdb.Error`` naming
-    them)."""
+    them). With ``where`` (the store), an I/O error on a file system that is all but full is
+    "full": LMDB reports a write the full disk cut short as EIO, not ENOSPC."""
     if isinstance(exc, lmdb.DiskError | lmdb.MapFullError):
+        return "full"
+    if where is not None and _is_eio(exc) and _nearly_full(where):
         return "full"
     if _out_of_memory(exc) and _address_space_limit() is not None:
         return "address-space"
@@ -82,12 +87,30 @@ def not_damage(exc: BaseException) -> str | None:
     return None
 
 
+def _is_eio(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno == errno.EIO
+    return isinstance(exc, lmdb.Error) and os.strerror(errno.EIO) in str(exc)
+
+
+def _nearly_full(where: Path) -> bool:
+    """Whether the file system holding ``where`` (or its nearest existing parent) has less
+    free space than LMDB may write in one commit."""
+    for p in (where, *where.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize < NEARLY_FULL_BYTES
+    return False
+
+
 def unusable_store(path: Path, exc: BaseException) -> Exception:
     """The error for an LMDB failure at ``path``: what to do about a full disk, missing
     permissions or memory, else :func:`damaged_store`."""
     from kvtier.errors import StoreError, StoreFull
 
-    kind = not_damage(exc)
+    kind = not_damage(exc, path)
     what = f"{type(exc).__name__}: {exc}"
     if kind == "full":
         return StoreFull(f"{path}: no space left on the store's file system ({what}); free space "
@@ -97,7 +120,10 @@ def unusable_store(path: Path, exc: BaseException) -> Exception:
                           f"address-space limit (ulimit -v: {_address_space_limit()} bytes; {what}); LMDB "
                           "maps each environment whole (an lmdb store's records: up to disk_bytes): "
                           "raise or remove the limit, or use a store on the files backend")
-    if kind in ("access", "read-only"):
+    if kind == "read-only":
+        return StoreError(f"{path}: the store's file system is mounted read-only ({what}); remount it "
+                          "read-write, or open the store read-only (readonly=True: loads and lookups only)")
+    if kind == "access":
         return StoreError(f"{path}: the store's files cannot be opened for what this process needs "
                           f"({what}); LMDB needs write access to its lock files even to read: run as "
                           "the store's owner, or grant write access to the store's directory")

@@ -120,9 +120,19 @@ def ratio(raw: int, stored: int) -> float | None:
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad command line is one line on stderr (and exit status 2)."""
 
-    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
-        sys.stderr.write(f"kvtier: error: {message} (see '{self.prog} --help')\n")
+    def error(self, message: str, *, where: str | None = None) -> Any:  # argparse's says NoReturn
+        sys.stderr.write(f"kvtier: error: {message} (see '{where or self.prog} --help')\n")
         raise SystemExit(2)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        # argparse reports a subcommand's unknown option from the top parser: point to the
+        # subcommand's own --help, where its options are
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(ns, "command", None)
+            self.error(f"unrecognized arguments: {' '.join(extras)}",
+                       where=f"{self.prog} {command}" if command else None)
+        return ns
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, *, help: str,

@@ -55,6 +55,8 @@ class OpenStore:
 
 
 def store_root(path: str) -> Path:
+    if not path.strip():  # (Path("") is the current directory)
+        raise UsageError("STORE: an empty path; give the store directory")
     return Path(path).expanduser()
 
 
@@ -115,13 +117,35 @@ def check_access(root: Path, backend: str, *, write: bool) -> None:
             f = env / name
             if not _may(f if f.exists() else env, os.W_OK):
                 missing.append(f"{env.name}/{name} (write)" if f.exists() else f"{env.name}/ (write)")
+    if write and backend == "files":  # removing a record file needs its directory's write bit
+        missing += _unwritable_record_dirs(root / "files")
     if missing:
         why = ("changing the store needs" if write else
                "every command needs, even a read-only one (LMDB records each reader in lock.mdb)")
         raise StoreError(
             f"{root}: this user lacks access to {', '.join(missing)}, which {why}; run as the "
-            "store's owner, or grant the group access (chmod g+rw on those files, g+rwx on their "
-            "directories)")
+            "store's owner (e.g. sudo -u OWNER kvtier ...): kvtier creates a store's files for "
+            "their owner only, so access granted to a group does not extend to files written later")
+
+
+def _unwritable_record_dirs(files: Path, show: int = 3) -> list[str]:
+    """The files backend's record directories (``files/``, ``files/xx/``, ``files/xx/yy/``)
+    this user cannot write: a command that removes records would drop them from the index
+    and then fail to delete their files, leaking the space."""
+    if not files.is_dir():
+        return []
+    dirs = [files]
+    with os.scandir(files) as top:
+        for a in top:
+            if a.is_dir(follow_symlinks=False):
+                dirs.append(Path(a.path))
+                with os.scandir(a.path) as mid:
+                    dirs += [Path(b.path) for b in mid if b.is_dir(follow_symlinks=False)]
+    bad = [d for d in dirs if not _may(d, os.W_OK | os.X_OK)]
+    named = [f"{d.relative_to(files.parent)}/ (write)" for d in bad[:show]]
+    if len(bad) > show:
+        named.append(f"and {len(bad) - show} more record directories (write)")
+    return named
 
 
 def snapshot(backend: Backend) -> list[EntryInfo]:

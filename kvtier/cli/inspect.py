@@ -44,6 +44,7 @@ from kvtier.cli._store import (
 )
 from kvtier.codec import CODEC_NAMES, RecordHeader
 from kvtier.errors import StoreError
+from kvtier.fingerprint import weights_fingerprint
 from kvtier.keys import (
     KEY_BYTES,
     RequestExtras,
@@ -63,7 +64,10 @@ Keys are printed by 'kvtier verify' and 'kvtier inspect --tokens'. --tokens FILE
 token ids of a prompt (a JSON list, or integers separated by spaces, commas or newlines;
 '-' reads stdin); kvtier hashes them as a server would and shows which chunks are cached.
 cache_salt and LoRA are part of each key, so pass the request's --salt/--lora to find its
-chunks. Exit status 1 if a record inspected is corrupt.
+chunks. A vLLM server keys a LoRA request by the adapter's weights, not its name: give
+--lora the adapter's directory (kvtier fingerprints its files as the server did), or the
+'sha256:...' fingerprint; any other value is used as it is (what a library user passed as
+RequestExtras.lora). Exit status 1 if a record inspected is corrupt.
 """
 
 
@@ -78,7 +82,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--namespace", metavar="HEXPREFIX", help="with --tokens: the namespace (see 'kvtier ls')")
     p.add_argument("--model", metavar="NAME", help="with --tokens: the namespace by model name")
     p.add_argument("--salt", metavar="SALT", help="with --tokens: the request's cache_salt")
-    p.add_argument("--lora", metavar="NAME", help="with --tokens: the request's LoRA adapter")
+    p.add_argument("--lora", metavar="DIR|FINGERPRINT",
+                   help="with --tokens: the request's LoRA adapter (its directory, as the server loaded it)")
     add_json_arg(p)
 
 
@@ -90,6 +95,18 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens is not None:
         return _run_tokens(args)
     return _run_key(args)
+
+
+def _lora_identity(value: str | None) -> str | None:
+    """What a request's keys hold for ``--lora``: an adapter directory (or weight file) is
+    fingerprinted as the vLLM connector does; anything else is taken as it is."""
+    if value is None or not Path(value).expanduser().exists():
+        return value
+    try:
+        return weights_fingerprint(Path(value).expanduser())
+    except (FileNotFoundError, OSError) as exc:
+        raise UsageError(f"--lora: cannot fingerprint the adapter at {value} ({exc}); give the "
+                         "directory the server loaded it from") from None
 
 
 # -- by key --------------------------------------------------------------------------
@@ -219,7 +236,7 @@ def _run_tokens(args: argparse.Namespace) -> int:
         if ns.id != ns_id:
             raise StoreError(f"namespace {ns_id.hex()[:12]}: its description does not hash to its id "
                              "(written by another kvtier version?)")
-        seed = chain_seed(ns, RequestExtras(cache_salt=args.salt, lora=args.lora))
+        seed = chain_seed(ns, RequestExtras(cache_salt=args.salt, lora=_lora_identity(args.lora)))
         rows: list[dict[str, Any]] = []
         prefix_end = 0
         contiguous = True

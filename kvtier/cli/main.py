@@ -64,8 +64,8 @@ def _store_of(args: argparse.Namespace) -> str:
     return str(getattr(args, "store", None) or "the cache's store")
 
 
-def _is_full(exc: BaseException) -> bool:
-    return not_damage(exc) == "full"
+def _is_full(exc: BaseException, where: Path | None) -> bool:
+    return not_damage(exc, where) == "full"
 
 
 def _no_space(args: argparse.Namespace, exc: BaseException) -> str | None:
@@ -73,7 +73,7 @@ def _no_space(args: argparse.Namespace, exc: BaseException) -> str | None:
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:  # also under a wrapper ('from None')
-        if _is_full(cause):
+        if _is_full(cause, Path(args.store) if getattr(args, "store", None) else None):
             if getattr(args, "command", None) == "compact":
                 advice = "free space (compact writes a copy of the data in use), then retry"
             else:

@@ -39,10 +39,12 @@ Every record is read and its header checksum, lengths, key and payload checksum 
 are checked, one short read at a time, so a server can keep writing meanwhile (records it
 adds after the start are not checked; records evicted meanwhile are counted as 'gone').
 A serving kvtier never loads a corrupt record (it counts a miss and recomputes), so
-corruption costs only cache hits; --remove-corrupt frees their space. Records of another
-format version are intact and reported as incompatible, not removed.
-Exit status: 0 all records verify; 1 corrupt or unreadable records were found (even if
---remove-corrupt removed them); 2 bad command line.
+corruption costs only cache hits; --remove-corrupt frees their space. A record whose file
+was removed behind the store's back (the index still names it) is 'missing': it can never
+load, and --remove-corrupt drops it from the index too. Records of another format version
+are intact and reported as incompatible, not removed.
+Exit status: 0 all records verify; 1 corrupt, missing or unreadable records were found (even
+if --remove-corrupt removed them); 2 bad command line.
 """
 
 # How many corrupt records a table shows (JSON lists them all).
@@ -57,6 +59,8 @@ class Report:
     corrupt: dict[bytes, str] = field(default_factory=dict)
     incompatible: dict[bytes, str] = field(default_factory=dict)
     unreadable: dict[bytes, str] = field(default_factory=dict)
+    # index entries whose payload is gone though the index still names it (removed by hand)
+    missing: dict[bytes, str] = field(default_factory=dict)
     removed: int = 0
     removed_bytes: int = 0
     seconds: float = 0.0
@@ -64,7 +68,7 @@ class Report:
     @property
     def checked(self) -> int:
         """Records read (all but those gone meanwhile)."""
-        return self.ok + len(self.corrupt) + len(self.incompatible) + len(self.unreadable)
+        return self.ok + len(self.corrupt) + len(self.incompatible) + len(self.unreadable) + len(self.missing)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,6 +89,9 @@ def _status(backend: Backend, entry: EntryInfo) -> tuple[str, str, int]:
     except RECORD_PROBLEMS as exc:
         return (*problem(exc), 0)
     if header is None:
+        now = backend.lookup(entry.key)  # evicted or rewritten meanwhile: gone; else lost
+        if now is not None and now.location == entry.location:
+            return "missing", "the index names a record file that is not there (removed by hand?)", 0
         return "gone", "", 0
     return "ok", "", header.record_len
 
@@ -106,8 +113,8 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
                     rep.gone += 1
                 else:
                     getattr(rep, kind)[e.key] = why
-                    rep.bytes_checked += e.size
-                    if kind == "corrupt":
+                    rep.bytes_checked += e.size if kind != "missing" else 0
+                    if kind in ("corrupt", "missing"):  # proven unloadable
                         corrupt.append(e)
                 bar.advance(task)
         if remove:
@@ -121,7 +128,7 @@ def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
 
 def run(args: argparse.Namespace) -> int:
     rep = verify(args.store, remove=args.remove_corrupt, show_progress=not args.json)
-    bad = bool(rep.corrupt or rep.unreadable)
+    bad = bool(rep.corrupt or rep.unreadable or rep.missing)
     if args.json:
         out: dict[str, Any] = {
             "store": args.store, "checked": rep.checked, "ok": rep.ok, "gone": rep.gone,
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             "corrupt": [{"key": k.hex(), "error": v} for k, v in rep.corrupt.items()],
             "incompatible": [{"key": k.hex(), "error": v} for k, v in rep.incompatible.items()],
             "unreadable": [{"key": k.hex(), "error": v} for k, v in rep.unreadable.items()],
+            "missing": [{"key": k.hex(), "error": v} for k, v in rep.missing.items()],
             "removed": rep.removed, "removed_bytes": rep.removed_bytes,
         }
         print_json(out)
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     con = stdout_console()
     problems = [("corrupt", k, v) for k, v in rep.corrupt.items()] + \
                [("unreadable", k, v) for k, v in rep.unreadable.items()] + \
+               [("missing", k, v) for k, v in rep.missing.items()] + \
                [("incompatible", k, v) for k, v in rep.incompatible.items()]
     if problems:
         t = Table(title="records that failed", title_justify="left")
@@ -150,10 +159,12 @@ def run(args: argparse.Namespace) -> int:
     line(con, f"checked {rep.checked:,} records ({size(rep.bytes_checked)}) in {rep.seconds:.2f}s "
               f"({size(rate)}/s): {rep.ok:,} ok, {len(rep.corrupt):,} corrupt, "
               f"{len(rep.unreadable):,} unreadable, {len(rep.incompatible):,} incompatible"
+              + (f", {len(rep.missing):,} missing" if rep.missing else "")
               + (f", {rep.gone:,} gone while checking" if rep.gone else ""))
     if args.remove_corrupt:
-        line(con, f"removed {rep.removed:,} corrupt records ({size(rep.removed_bytes)})")
-    elif rep.corrupt:
+        what = "corrupt or missing" if rep.missing else "corrupt"
+        line(con, f"removed {rep.removed:,} {what} records ({size(rep.removed_bytes)})")
+    elif rep.corrupt or rep.missing:
         line(con, f"[yellow]run 'kvtier verify {escape(args.store)} --remove-corrupt' to remove them[/]")
     if not bad:
         line(con, "[green]all records verify[/]")

@@ -37,7 +37,7 @@ from kvtier.vllm.namespace import build_namespace, kv_geometry, model_identity
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
-from kvtier.vllm.worker_side import WorkerSide
+from kvtier.vllm.worker_side import UNSAFE_SAVE_STEPS, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +81,13 @@ def _any_tp_rank(flag: bool) -> bool:
     t = torch.tensor([int(flag)], dtype=torch.int32)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
     return bool(t.item())
+
+
+def _unsafe_save_steps(vllm_config: Any) -> int:
+    """How many steps' saves a failed synchronous load spoils (see ``UNSAFE_SAVE_STEPS``):
+    one where vLLM is known to schedule synchronously, else two."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return 1 if getattr(scheduler, "async_scheduling", None) is False else UNSAFE_SAVE_STEPS
 
 
 def _cpu_content_layout(layer: Any, g: Any, vllm_config: Any) -> str | torch.Tensor | None:
@@ -260,7 +267,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             self._worker = WorkerSide(self._store, ns, names, kv_caches, content, g.block_size,
                                       any_rank=_any_tp_rank if self._tp_size > 1 else None,
-                                      save_wait_s=self.settings.save_wait_s)
+                                      save_wait_s=self.settings.save_wait_s,
+                                      unsafe_save_steps=_unsafe_save_steps(self._vllm_config))
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return

@@ -39,6 +39,9 @@ class SaveSpec:
     parent_keys: tuple[bytes, ...] = ()
     # per rank: the key of the chain's first chunk (lookups read a chain's chunks together)
     head_keys: tuple[bytes, ...] = ()
+    # the scheduler's lookup found it stored on every rank: the worker skips it without
+    # reading the index (which may wait for the disk) on the model's thread
+    stored: bool = False
 
 
 @dataclass

@@ -44,6 +44,9 @@ class _Request:
     next_save: int = 0
     block_ids: list[int] = field(default_factory=list)
     loads_started: int = 0
+    # the keys of the chunks the last lookup found stored on every rank: their saves are
+    # skipped (the worker then reads no index on the model's thread); None: not looked up
+    stored: set[tuple[bytes, ...]] | None = None
 
     @property
     def full(self) -> list[RankedChunk]:
@@ -120,14 +123,18 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        if st is None or not self.can_load:
+        if st is None:
             return 0, False
-        if st.loads_started:
-            # One external load per request: if it failed (a chunk vanished or was corrupt),
-            # asking again could promise the same bad chunk forever; recompute instead.
+        # One external load per request (``loads_started``): if it failed (a chunk vanished
+        # or was corrupt), asking again could promise the same bad chunk forever; recompute
+        # instead. Still look up which of its chunks are stored, so that their saves are skipped.
+        if not self.can_load or st.loads_started:
+            if self.can_save:
+                st.stored = {c.keys for c in self._match(st)}
             return 0, False
         self.lookups += 1
         hits = self._match(st)
+        st.stored = {c.keys for c in hits}
         if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses)
             self._uses.extend(c.keys for c in hits if c.end <= num_computed_tokens)
         # Leave at least one prompt token to compute; stay block aligned.
@@ -183,8 +190,12 @@ class SchedulerSide:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
-            self._plan_saves(req_id, st, done, meta)
+            before = cached.num_computed_tokens[i]
+            # Rolled back (vLLM recomputes what a failed load left out, or a preempted request
+            # from its start): the recomputed chunks are saved, unless stored or queued.
+            while st.next_save and st.to_save[st.next_save - 1].end > before:
+                st.next_save -= 1
+            self._plan_saves(req_id, st, before + so.num_scheduled_tokens.get(req_id, 0), meta)
         return meta
 
     def _plan_saves(self, req_id: str, st: _Request, computed: int, meta: KVTierMetadata) -> None:
@@ -199,7 +210,8 @@ class SchedulerSide:
                 continue  # blocks not known (should not happen): skip rather than save garbage
             parent = st.to_save[st.next_save - 2].keys if st.next_save >= 2 else ()
             meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
-                                       st.block_ids[c.start // bs : c.end // bs], parent, _head(st, c)))
+                                       st.block_ids[c.start // bs : c.end // bs], parent, _head(st, c),
+                                       stored=st.stored is not None and c.keys in st.stored))
 
     def request_finished(self, request: Any) -> bool:
         """Forget the request. Never holds its blocks: the worker's copies of a step's saves

@@ -35,6 +35,8 @@ PROM_COUNTERS = {
     "store_corrupt_records": "Records that failed verification (served as misses)",
     "store_evicted_disk": "Records evicted from the persistent tier",
     "store_io_errors": "Storage I/O errors",
+    "store_missing_payloads": "Index entries whose record file was gone (removed by hand?); dropped from "
+                              "the index, the chunk is saved again",
     "store_unpooled_loads": "Chunks loaded into newly allocated host memory because every pooled buffer was "
                             "in use (pageable with CUDA: slower copies to the device); 0 in steady state",
     "store_remote_hits": "Chunk loads served from the remote tier",

@@ -20,6 +20,7 @@ recomputes them; a failed synchronous load also discards the saves of its step a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -42,9 +43,12 @@ LOG_INTERVAL_S = 60.0
 LOAD_POLL_S = 0.002
 # Steps whose saves are discarded once a synchronous load failed: its own, whose forward pass
 # ran over blocks the load did not fill (vLLM rolls the request back only after the step),
-# and the next, which vLLM's async scheduling may have planned before it learned of the
-# failure. Their KV would pass every checksum and be loaded by every later request.
+# and, with vLLM's async scheduling, the next, planned before vLLM learned of the failure.
+# Their KV would pass every checksum and be loaded by every later request. (Without async
+# scheduling the next step recomputes the rolled-back blocks: its saves are the good KV.)
 UNSAFE_SAVE_STEPS = 2
+# At most this many failed loads' keys are remembered until their chunks are saved again.
+REFUTED_MAX = 4096
 
 
 @dataclass
@@ -86,8 +90,10 @@ class _LoadJob:
 class WorkerSide:
     def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
                  kv_caches: dict[str, torch.Tensor], content: Content, block_size: int,
-                 any_rank: Callable[[bool], bool] | None = None, save_wait_s: float = 0.0) -> None:
+                 any_rank: Callable[[bool], bool] | None = None, save_wait_s: float = 0.0,
+                 unsafe_save_steps: int = UNSAFE_SAVE_STEPS) -> None:
         self.store = store
+        self.unsafe_save_steps = unsafe_save_steps  # 1 where vLLM schedules synchronously
         # offline producers (warm-up) only: how long a step may wait for the writer to make
         # room rather than drop saves; a server's is 0 (its model thread never waits)
         self.save_wait_s = save_wait_s
@@ -138,6 +144,10 @@ class WorkerSide:
         self._reporting: list[tuple[torch.cuda.Event | None, str, _LoadResult]] = []
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
         self._load_errors: set[int] = set()
+        # Keys this rank failed to load (missing, corrupt, incompatible): the scheduler's
+        # lookup called them stored, but their recomputed KV must be saved. (Insertion-ordered,
+        # bounded; reader threads add, the model's thread takes.)
+        self._refuted: dict[bytes, None] = {}
         self._unsafe_save_steps = 0  # see UNSAFE_SAVE_STEPS
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
         self.stats: dict[str, float] = {}  # only touched on the model's thread
@@ -164,7 +174,7 @@ class WorkerSide:
         self.store.touch(keys[self.rank] for keys in uses)
 
     def _plan_saves(self, meta: KVTierMetadata) -> None:
-        """Which of the step's chunks to copy (one index read for all of them), a pooled
+        """Which of the step's chunks to copy (those neither stored nor queued), a pooled
         buffer for each, and their block ids uploaded to the device in one copy (call inside
         ``after_compute``)."""
         unsafe = self._unsafe_save_steps > 0  # nothing of this step is saved (UNSAFE_SAVE_STEPS)
@@ -174,13 +184,20 @@ class WorkerSide:
                 event.synchronize()
         self._release_landed()  # the last steps' buffers whose copies are done (never waits)
         self._save_deadline = time.monotonic() + self.save_wait_s if self.save_wait_s else None
-        stored = [False] * len(meta.saves) if unsafe else self.store.present_each(
-            [spec.keys[self.rank] for spec in meta.saves])
+        # Stored: as the scheduler's lookup found it, or queued here since. No index read: it
+        # could wait for the disk on this thread (a chunk stored since the lookup is saved
+        # again, and the second copy replaces the first).
+        queued = self.store.queued_each([spec.keys[self.rank] for spec in meta.saves])
         staged = []
         used = []
-        for spec, there in zip(meta.saves, stored, strict=True):
+        for spec, in_queue in zip(meta.saves, queued, strict=True):
+            key = spec.keys[self.rank]
+            refuted = key in self._refuted  # its load failed here: not stored after all
+            if refuted and not unsafe:  # (an unsafe step's save is discarded: not yet)
+                self._refuted.pop(key, None)
+            there = not unsafe and ((spec.stored and not refuted) or in_queue)
             if there:  # stored already, and used all the same (see record_uses)
-                used.append(spec.keys[self.rank])
+                used.append(key)
             if unsafe or there:
                 staged.append(_Staged(spec, None, "save_unsafe_chunks" if unsafe else "save_skipped_chunks"))
                 continue
@@ -287,7 +304,7 @@ class WorkerSide:
                 self._load_errors.update(b for spec in sync for chunk in spec.chunks for b in chunk.block_ids)
             finally:  # every rank agrees in the same steps, whatever happened here
                 if self.any_rank_failed(failed):
-                    self._unsafe_save_steps = UNSAFE_SAVE_STEPS
+                    self._unsafe_save_steps = self.unsafe_save_steps
         for spec in meta.loads:
             if not spec.sync and spec.req_id not in self._loads:
                 res, arrived = _LoadResult(), Queue()  # (bounded by _arrived_slots)
@@ -384,15 +401,25 @@ class WorkerSide:
             ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
                   and data.dtype == self.dtype)
             if not ok:
+                self._refute(chunk)
                 for rest in spec.chunks[i:]:
                     res.failed_blocks.extend(rest.block_ids)
-                for _ in results:  # wait for the rest, as said above
-                    pass
+                for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
+                    if later.tensor is None:
+                        self._refute(rest)
+                    del later
                 break
             deliver((chunk, data))
             del data, loaded  # handed over: not kept while the next chunk is read
         res.seconds = time.perf_counter() - t0
         return res
+
+    def _refute(self, chunk: ChunkLoad) -> None:
+        """(Any thread.) This rank could not load ``chunk``: save it when it is recomputed."""
+        self._refuted[chunk.keys[self.rank]] = None
+        while len(self._refuted) > REFUTED_MAX:  # (one whose save never came)
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                del self._refuted[next(iter(self._refuted))]
 
     def _scatter(self, parts: list[tuple[_LoadResult, list[tuple[ChunkLoad, torch.Tensor]]]], *,
                  layer_events: bool = False) -> torch.cuda.Event | None:

@@ -36,7 +36,9 @@ CASES: dict[str, tuple[int, tuple[str, ...]]] = {
     "unknown_key": (1, ("no record whose key starts with",)),
     "tokens_unreadable": (2, ("--tokens", "cannot read it")),
     "tokens_garbage": (2, ("--tokens", "expected token ids")),
-    "bad_option": (2, ("unrecognized arguments: --colour", "--help")),
+    "tokens_out_of_range": (2, ("--tokens", "[0, 2**32)")),
+    "bad_option": (2, ("unrecognized arguments: --colour", "(see 'kvtier ls --help')")),
+    "empty_path": (2, ("STORE: an empty path",)),
     "evict_what": (2, ("say what to evict", "--max-bytes")),
 }
 # Through the console script: the list (missing path, not a store, newer format,
@@ -60,6 +62,7 @@ def runs(built_stores: dict[str, Built], tmp_path_factory: pytest.TempPathFactor
     shutil.copytree(lmdb_store, base / "badlmdb")
     (base / "badlmdb" / "lmdb" / "data.mdb").write_bytes(os.urandom(64 * 1024))
     (base / "garbage.txt").write_text("these are not token ids\n")
+    (base / "huge.json").write_text("[99999999999999999999]")
     # A store whose marker its user cannot read (as root: run as nobody, see AS_NOBODY).
     as_root = os.geteuid() == 0
     locked = Path(tempfile.mkdtemp(prefix="kvtier-cli-test-"))
@@ -88,7 +91,9 @@ def runs(built_stores: dict[str, Built], tmp_path_factory: pytest.TempPathFactor
         "unknown_key": (("inspect", lmdb_store, "0123abcd9"), ()),
         "tokens_unreadable": (("inspect", lmdb_store, "--tokens", base, "--model", "tiny-llama"), ()),
         "tokens_garbage": (("inspect", files_store, "--tokens", base / "garbage.txt"), ()),
+        "tokens_out_of_range": (("inspect", lmdb_store, "--tokens", base / "huge.json", "--model", "tiny-llama"), ()),
         "bad_option": (("ls", lmdb_store, "--colour"), ()),
+        "empty_path": (("stats", ""), ()),
         "evict_what": (("evict", lmdb_store), ()),
     }
     assert set(calls) == set(CASES)

@@ -174,7 +174,7 @@ def test_read_only_user_is_told_what_access_is_needed(readable_only: dict[str, P
     store = readable_only[backend]
     r = cli("ls", store, prefix=AS_NOBODY)
     locks = ["index/lock.mdb (write)"] + (["lmdb/lock.mdb (write)"] if backend == "lmdb" else [])
-    one_line_error(r, 1, str(store), *locks, "even a read-only one", "run as the store's owner", "g+rw")
+    one_line_error(r, 1, str(store), *locks, "even a read-only one", "run as the store's owner", "sudo -u")
     assert r.stdout == ""
 
 
@@ -195,6 +195,25 @@ def test_read_only_user_needs_no_write_access_to_the_store_lock(readable_only: d
         ev = cli("evict", store, "--all", prefix=AS_NOBODY)
         one_line_error(ev, 1, "index/data.mdb (write)", "which changing the store needs")
         assert len(entries(store, name)) == n
+
+
+def test_removing_records_whose_directory_this_user_cannot_write_is_refused(
+        readable_only: dict[str, Path], built_stores: dict[str, Built]) -> None:
+    """A files store's record files go with their directory's write bit: a user who may
+    change the index but not a record directory is refused before anything changes (else
+    the index would forget records whose files stay, their space leaked, and evict would
+    report space freed that was not)."""
+    store = readable_only["files"]
+    n = built_stores["files"].total_chunks
+    for p in [store, *store.rglob("*")]:
+        os.chown(p, 65534, 65534)  # nobody owns the store ...
+    shard = sorted((store / "files").glob("??/??"))[0]
+    os.chown(shard, 0, 0)  # ... but one record directory
+    for argv in (("evict", store, "--all"), ("verify", store, "--remove-corrupt")):
+        r = cli(*argv, prefix=AS_NOBODY)
+        one_line_error(r, 1, f"files/{shard.parent.name}/{shard.name}/ (write)", "which changing the store needs")
+    assert len(entries(store, "files")) == n
+    assert len(list((store / "files").glob("??/??/*"))) == n
 
 
 @pytest.mark.parametrize(("error", "needles"), [

@@ -70,6 +70,27 @@ def test_verify_finds_and_removes_corruption(fresh_store: Built, capsys: pytest.
     assert f"{b.total_chunks - 2} ok, 0 corrupt" in again.stdout
 
 
+def test_verify_reports_and_drops_records_whose_file_was_removed(built_stores: dict[str, Built],
+                                                               tmp_path: Path) -> None:
+    src = built_stores["files"]
+    store = tmp_path / "store"
+    shutil.copytree(src.path, store)
+    key = src.keys[NS_LLAMA.id.hex()][2]
+    h = key.hex()
+    (victim,) = (store / "files" / h[:2] / h[2:4]).glob(f"{h}.*.kvt")
+    victim.unlink()
+    ver = cli("verify", store, "--json")
+    assert ver.returncode == 1, ver.stdout + ver.stderr
+    rep = json.loads(ver.stdout)
+    assert [m["key"] for m in rep["missing"]] == [h] and rep["gone"] == 0 and rep["removed"] == 0
+    assert key in entries(store, "files")  # nothing removed without the flag
+    rm = cli("verify", store, "--remove-corrupt")
+    assert rm.returncode == 1 and "1 missing" in rm.stdout and "removed 1 corrupt or missing" in rm.stdout, rm.stdout
+    assert key not in entries(store, "files") and len(entries(store, "files")) == src.total_chunks - 1
+    again = cli("verify", store)
+    assert again.returncode == 0 and "all records verify" in again.stdout, again.stdout
+
+
 def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
     b = fresh_store
     now = time.time_ns()

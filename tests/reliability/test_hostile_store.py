@@ -71,6 +71,37 @@ def test_links_out_of_the_store_are_not_followed(tmp_path: Path) -> None:
     record("hostile/links", links_planted=2, followed=0, outside_files_removed=0)
 
 
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO where a record or the store marker should be would block a plain open forever
+    (a load on the model's path, or the CLI): it is an unreadable file instead, and kept."""
+    import subprocess
+    import sys
+    import threading
+
+    store = tmp_path / "s"
+    entries = _fill(store)
+    key = min(entries, key=lambda k: k.hex())
+    fifo = _record_path(store, key, entries[key])
+    fifo.unlink()
+    os.mkfifo(fifo)
+    got: list[object] = []
+    with open_cache(store, "files") as cache:
+        t = threading.Thread(target=lambda: got.append(cache.store.load(key)), daemon=True)
+        t.start()
+        t.join(20)
+        assert got and got[0].outcome.value == "io_error", got  # type: ignore[attr-defined]
+    kvtier = Path(sys.executable).parent / "kvtier"
+    r = subprocess.run([str(kvtier), "verify", str(store)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "unreadable" in r.stdout + r.stderr, (r.stdout, r.stderr)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # kept: not proven corrupt
+    marker = store / "kvtier-store.json"
+    marker.unlink()
+    os.mkfifo(marker)
+    r = subprocess.run([str(kvtier), "ls", str(store)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "kvtier-store.json is unreadable" in r.stderr, r.stderr
+    record("hostile/fifos", planted=2, waited_on=0)
+
+
 def test_stray_files_are_ignored_and_kept(tmp_path: Path) -> None:
     store = tmp_path / "s"
     entries = _fill(store)

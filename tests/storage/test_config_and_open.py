@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from kvhelpers import CHUNK, config, make_kv, namespace, open_cache, tokens
 
 from kvtier import CacheConfig, ChunkStore, KVCache
-from kvtier.backends import MARKER, StoreLock
+from kvtier.backends import MARKER, StoreLock, stored_config
 from kvtier.errors import ConfigError, StoreError, StoreFormatError
 
 BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
@@ -34,6 +36,8 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
     ({"io_threads": -1}, "io_threads"),
     ({"direct_reads": "yes"}, "direct_reads"),
     ({"path": ""}, "path"),
+    ({"host_bytes": 1.5}, "host_bytes"),  # (was 1 byte)
+    ({"close_timeout_s": float("inf")}, "close_timeout_s"),  # (close() raised OverflowError)
 ]
 
 
@@ -82,6 +86,52 @@ def test_namespace_and_cache_mismatches_are_config_errors(tmp_path: Path) -> Non
         KVCache.open(tmp_path / "a", namespace(), config(tmp_path / "a", chunk_tokens=64))
     with pytest.raises(ConfigError, match="tail_granularity"):
         open_cache(tmp_path / "b", tail=5)
+    with pytest.raises(ConfigError, match="dtype"):
+        KVCache.open(tmp_path / "c", namespace(dtype="bf16"))
+    with pytest.raises(ConfigError, match="max_record_bytes.*smaller than one chunk"):
+        KVCache.open(tmp_path / "d", namespace(), config(tmp_path / "d", max_record_bytes="4K"))
+    assert not any((tmp_path / n).exists() for n in "abcd")  # refused before anything was created
+
+
+@pytest.mark.parametrize(("ids", "message"), [
+    ([0.5] * CHUNK, "must be integers"),  # (else keyed as token 0: another prompt's KV)
+    ([2**32] * CHUNK, r"in \[0, 2\*\*32\)"),
+    ([10**20] * CHUNK, r"in \[0, 2\*\*32\)"),
+    ([-1] * CHUNK, r"in \[0, 2\*\*32\)"),
+])
+def test_token_ids_that_are_not_uint32_are_refused(tmp_path: Path, ids: list, message: str) -> None:
+    with open_cache(tmp_path / "s") as cache:
+        with pytest.raises(ValueError, match=message):
+            cache.save(ids, make_kv(list(range(CHUNK))))
+        with pytest.raises(ValueError, match=message):
+            cache.lookup(ids)
+    with open_cache(tmp_path / "s") as cache, pytest.raises(ValueError, match="one-dimensional"):
+        cache.lookup(np.zeros((2, CHUNK), dtype="<u4"))
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_a_refused_open_leaves_the_stores_settings_alone(tmp_path: Path, backend: str) -> None:
+    """A bad argument must not change what every server of the store reads: the budget a
+    refused open was given would otherwise make the next writer evict nearly everything."""
+    path = tmp_path / "s"
+    _save_one(path, backend)
+    before = stored_config(path, backend)
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        KVCache.open(path, namespace(), config(path, backend, chunk_tokens=2 * CHUNK, disk_bytes="1M"))
+    after = stored_config(path, backend)
+    assert (after.disk_bytes, after.chunk_tokens) == (before.disk_bytes, before.chunk_tokens)
+
+
+def test_a_chunk_over_max_record_bytes_is_dropped_not_stored(tmp_path: Path) -> None:
+    """A record no process with the store's limit could load is not written."""
+    with ChunkStore(config(tmp_path / "s", max_record_bytes="4K")) as store:
+        assert not store.put(b"k" * 32, torch.zeros(4097, dtype=torch.uint8), namespace_id=b"n" * 16,
+                             token_start=0, num_tokens=1)
+        assert store.put(b"j" * 32, torch.zeros(4096, dtype=torch.uint8), namespace_id=b"n" * 16,
+                         token_start=0, num_tokens=1)
+        assert store.flush(30)
+        assert store.counters.snapshot()["dropped_saves"] == 1
+        assert store.backend.present_each([b"k" * 32, b"j" * 32]) == [False, True]
 
 
 def _save_one(path: Path, backend: str) -> None:
@@ -146,12 +196,23 @@ def test_older_layout_version_and_damaged_marker(tmp_path: Path, backend: str) -
     (d / MARKER).write_text(json.dumps(info))
     with pytest.raises(StoreFormatError, match="older"):
         ChunkStore(config(d, backend))
-    for damaged in ("{", "[]", json.dumps({"format": "something-else"}),
-                    json.dumps({**json.loads(good), "layout_version": "1"})):
+    for damaged in ("{", "[]", json.dumps({"format": "something-else"})):
         (d / MARKER).write_text(damaged)
         with pytest.raises(StoreError):
             ChunkStore(config(d, backend))
+    for version in ("2", 2.0, None):  # damaged, not "written by a newer kvtier"
+        (d / MARKER).write_text(json.dumps({**json.loads(good), "layout_version": version}))
+        with pytest.raises(StoreError, match="no valid layout_version.*damaged") as exc:
+            ChunkStore(config(d, backend))
+        assert not isinstance(exc.value, StoreFormatError)
+    other = "files" if backend == "lmdb" else "lmdb"  # a marker that names the other backend
+    (d / MARKER).write_text(json.dumps({**json.loads(good), "backend": other}))
+    with pytest.raises(StoreError, match=f"says backend '{other}', but the store holds '{backend}'"):
+        ChunkStore(config(d, other))
     _assert_not_locked(d)
+    (d / MARKER).write_text(good)
+    with open_cache(d, backend) as cache:  # nothing was changed or removed
+        assert cache.lookup(tokens(0, CHUNK)) == CHUNK
 
 
 @pytest.mark.parametrize(("created", "opened"), [("lmdb", "files"), ("files", "lmdb")])

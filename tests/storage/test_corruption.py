@@ -91,6 +91,44 @@ def write_raw(store: Path, backend: str, key: bytes, data: bytes | None = None,
         env.close()
 
 
+def remove_raw(store: Path, backend: str, key: bytes) -> None:
+    """Delete the payload of ``key`` behind the store's back (the store must be closed)."""
+    if backend == "files":
+        _record_file(store, key).unlink()
+        return
+    dbkey = _lmdb_key(store, key)
+    env = _lmdb_env(store)
+    try:
+        with env.begin(write=True) as txn:
+            assert txn.delete(dbkey, db=env.open_db(b"records", txn=txn))
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_a_payload_removed_behind_the_stores_back_is_dropped_and_saved_again(tmp_path: Path,
+                                                                             backend: str) -> None:
+    """An index entry whose payload is gone can never load. Kept, it would also make every
+    save of that chunk look done: the prefix could never be cached again."""
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        second = cache.chunks(TOKS)[1].key
+    remove_raw(store, backend, second)
+    with open_cache(store, backend, host_bytes=0) as cache:
+        assert cache.lookup(TOKS) == 3 * CHUNK  # the index still says so
+        got = cache.load(TOKS)
+        assert got.shape[2] == CHUNK and same_bits(got, make_kv(TOKS[:CHUNK]))
+        st = cache.store.counters.snapshot()
+        assert st["missing_payloads"] == 1 and st["corrupt_records"] == 0, st
+        assert cache.lookup(TOKS) == CHUNK  # dropped from the index
+        cache.save(TOKS, make_kv(TOKS))  # so saved again
+        assert cache.flush(30)
+    with open_cache(store, backend, host_bytes=0) as cache:
+        assert same_bits(cache.load(TOKS), make_kv(TOKS))
+
+
 def _flip(rec: bytes, pos: int, bit: int = 0) -> bytes:
     b = bytearray(rec)
     b[pos] ^= 1 << bit

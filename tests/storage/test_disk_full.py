@@ -92,3 +92,42 @@ def test_a_store_its_disk_has_no_room_to_open_is_full_not_damaged(tmp_path: Path
             ChunkStore(config(store, backend))
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_an_index_write_the_full_disk_cut_short_is_full_not_damaged(tmpfs: Path, backend: str) -> None:
+    """LMDB reports a commit whose write a full disk cut short as an I/O error, not ENOSPC:
+    on an all but full file system that is a full disk too. Called damage, the advice would
+    be to delete an intact store."""
+    import os
+
+    from kvhelpers import namespace
+
+    from kvtier.errors import StoreDamaged, StoreFull
+
+    store = tmpfs / "s"
+    with open_cache(store, backend) as cache:
+        cache.save(tokens(0, 3 * CHUNK), make_kv(tokens(0, 3 * CHUNK)))
+        assert cache.flush(30)
+    filler = tmpfs / "filler"
+    with open(filler, "wb", buffering=0) as f:  # someone else fills the disk, to a few pages
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    st = os.statvfs(tmpfs)
+    assert st.f_bavail == 0
+    filler.write_bytes(b"\0" * ((filler.stat().st_size // 4096 - 8) * 4096))
+    full = 0
+    for i in range(40):  # each open registers a namespace: one index commit
+        try:
+            open_cache(store, backend, ns=namespace(model=f"model-{i}-" + "x" * 1500)).close()
+        except StoreFull:
+            full += 1
+        except StoreDamaged as exc:
+            pytest.fail(f"a full disk was called damage: {exc}")
+    assert full  # the disk did fill
+    filler.unlink()
+    with open_cache(store, backend) as cache:  # intact
+        assert cache.lookup(tokens(0, 3 * CHUNK)) == 3 * CHUNK

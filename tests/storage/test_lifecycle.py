@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import CacheConfig, ChunkStore, ConfigError, KVCache, Namespace
+from kvtier import CacheConfig, ChunkStore, KVCache, Namespace
 
 
 def _chunk() -> torch.Tensor:
@@ -40,12 +40,20 @@ def test_close_without_flush_drops_and_counts_what_is_queued(tmp_path: Path) -> 
     assert c["dropped_saves"] == 3 and c["saves_committed"] == 1
 
 
-def test_failed_open_leaks_no_threads_or_lock(tmp_path: Path) -> None:
+def test_failed_open_leaks_no_threads_or_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.backends.base import Backend
+    from kvtier.errors import StoreFull
+
     ns = Namespace(model="m", weights_fingerprint="w", dtype="bfloat16", kv_shape=(1, 2, 1, 8),
                    chunk_tokens=64)
+
+    def full(*args: object) -> None:  # the disk filled between opening and registering
+        raise StoreFull("no space left")
+
+    monkeypatch.setattr(Backend, "register_namespace", full)
     before = {t.ident for t in threading.enumerate()}
-    with pytest.raises(ConfigError, match="chunk_tokens"):
-        KVCache.open(tmp_path / "s", ns, CacheConfig(path=tmp_path / "s", chunk_tokens=128))
+    with pytest.raises(StoreFull):
+        KVCache.open(tmp_path / "s", ns, CacheConfig(path=tmp_path / "s", chunk_tokens=64))
     time.sleep(0.1)
     assert {t.ident for t in threading.enumerate()} <= before
     # The store lock was released: an exclusive lock (what `kvtier compact` takes) succeeds.

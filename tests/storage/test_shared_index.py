@@ -233,13 +233,14 @@ def test_a_smaller_record_limit_keeps_larger_records(tmp_path: Path, backend: st
         (ref,) = cache.chunks(toks)
     record = 8 + CHUNK * 512 * 2  # well over 4 KiB
     assert record > 8 << 10
-    with open_cache(store, backend, max_record_bytes="8K") as small:
-        got = small.store.load(ref.key)
+    # (a store, not a KVCache: a KVCache whose chunks cannot fit its limit is refused)
+    with ChunkStore(config(store, backend, max_record_bytes="8K")) as small:
+        got = small.load(ref.key)
         assert got.outcome is Outcome.TOO_LARGE and got.tensor is None
         assert "max_record_bytes" in got.why
-        st = small.stats()
+        st = small.counters.snapshot()
         assert st["oversized_records"] == 1 and st["corrupt_records"] == 0 and st["misses"] == 1
-        assert small.store.backend.count_present_prefix([ref.key]) == 1
+        assert small.backend.count_present_prefix([ref.key]) == 1
     # the CLI reads the store's recorded settings (the last writer's: 8K) and keeps the record
     assert main(["verify", str(store), "--remove-corrupt", "--json"]) == 0
     with open_cache(store, backend) as cache:

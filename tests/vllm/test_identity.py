@@ -3,7 +3,9 @@ the LoRA adapter's weights. What kvtier cannot fingerprint is not cached, and th
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from enginehelpers import tokens
 
+from kvtier.cli.main import main as cli_main
 from kvtier.testing.engine import Engine, kv_transfer_config
 from kvtier.testing.tiny_model import make_tiny_lora
 
@@ -124,6 +127,14 @@ def test_lora_retrained_in_place_gets_no_stale_kv(tiny_model: Path, tmp_path: Pa
     assert run(True).num_cached_tokens == 0
     again = run(True)
     assert again.num_cached_tokens == HIT and again.tokens == v1.tokens
+    # `kvtier inspect --lora` finds what the server saved by the adapter's directory (its
+    # keys hold the weights' fingerprint); the adapter's name finds nothing
+    (tmp_path / "p.json").write_text(json.dumps(P))
+    for lora_arg, cached in ((str(adapter), True), ("support-bot", False)):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert cli_main(["inspect", str(store), "--tokens", str(tmp_path / "p.json"),
+                             "--lora", lora_arg, "--json"]) == 0
+        assert (json.loads(out.getvalue())["cached_prefix_tokens"] >= 512) == cached, (lora_arg, out.getvalue())
     make_tiny_lora(adapter, tiny_model, seed=2)  # retrained in place
     v2 = run(False)
     assert v2.tokens != v1.tokens  # the adapter matters to the output

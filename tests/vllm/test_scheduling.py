@@ -24,6 +24,27 @@ def test_producer_then_consumer_share_a_store(tiny_model: Path, store_dir: Path)
     assert prod[0].tokens == cons.tokens == base.tokens
 
 
+def test_a_producer_skips_stored_chunks_without_reading_the_index_on_the_models_thread(
+        tiny_model: Path, store_dir: Path) -> None:
+    """A prompt stored already is not written again (a warm-up run twice, say). Its
+    scheduler's lookup says so: the worker reads no index, where a cold page would hold up
+    the forward pass."""
+    p = tokens(600, seed=61)
+    ktc = kv_transfer_config(store_dir, role="kv_producer")
+    with Engine(tiny_model, ktc) as e:
+        e.generate([p], max_tokens=1)
+        assert e.worker_connector._store.flush(30)
+    with Engine(tiny_model, ktc) as e:
+        store = e.worker_connector._store
+
+        def no_index_read(*args: object) -> None:
+            raise AssertionError("the model's thread read the index")
+
+        store.backend.present_each = no_index_read
+        e.generate([p], max_tokens=1)
+        assert store.counters.snapshot()["saves_queued"] == 0
+
+
 def _assert_no_leaks(e: Engine) -> None:
     sched = e.scheduler
     pool = sched.kv_cache_manager.block_pool

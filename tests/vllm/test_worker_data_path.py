@@ -126,25 +126,43 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["cold_load_async_gbs"] > 0
 
 
-def test_a_step_checks_presence_once_and_skips_stored_chunks(tmp_path: Path) -> None:
+def test_a_step_reads_no_index_and_skips_what_is_stored_or_queued(tmp_path: Path) -> None:
+    """The model's thread never reads the index (a cold page waits for the disk): a chunk is
+    skipped because the scheduler's lookup found it stored, or because this process has it
+    queued; anything else is copied."""
+    import threading
+
     from kvtier.vllm.metadata import SaveSpec
 
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, io_threads=2)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, G, "kv_last", "cpu")
-        key = os.urandom(32)
-        spec = SaveSpec("r", (key,), 0, G.chunk_tokens, list(range(PER_CHUNK)))
-        save_step(worker, caches, [spec])
-        store.flush(30)
-        calls = []
-        real = store.backend.present_each
-        store.backend.present_each = lambda keys: calls.append(list(keys)) or real(keys)
-        other = SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens, list(range(PER_CHUNK, 2 * PER_CHUNK)))
-        save_step(worker, caches, [spec, other])
-        store.flush(30)
-        assert len(calls) == 1 and len(calls[0]) == 2  # one index read for the step
+
+        def no_index_read(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the model's thread read the index")
+
+        for name in ("present_each", "count_present_prefix", "count_present_chain", "get"):
+            setattr(store.backend, name, no_index_read)
+        held = threading.Event()
+        real_put_many = store.backend.put_many
+        store.backend.put_many = lambda items: held.wait(30) and real_put_many(items)  # the disk is slow
+
+        def spec(key: bytes, first_block: int, *, stored: bool = False) -> SaveSpec:
+            return SaveSpec("r", (key,), 0, G.chunk_tokens, list(range(first_block, first_block + PER_CHUNK)),
+                            stored=stored)
+
+        known, fresh = os.urandom(32), os.urandom(32)
+        save_step(worker, caches, [spec(known, 0, stored=True), spec(fresh, PER_CHUNK)])
         stats = worker.take_stats()
-        assert stats.get("save_skipped_chunks") == 1 and stats.get("save_chunks") == 2
+        assert stats.get("save_skipped_chunks") == 1 and stats.get("save_chunks") == 1
+        assert store.queued_each([known, fresh]) == [False, True]
+        save_step(worker, caches, [spec(fresh, PER_CHUNK)])  # still queued: not copied again
+        stats = worker.take_stats()
+        assert stats.get("save_skipped_chunks") == 1 and not stats.get("save_chunks")
+        held.set()
+        assert store.flush(30)
+        store.backend.present_each = type(store.backend).present_each.__get__(store.backend)
+        assert store.backend.present_each([known, fresh]) == [False, True]
         worker.close()
 
 
