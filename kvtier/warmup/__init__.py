@@ -69,7 +69,7 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
     errors: list[PromptError] = []
     if not isinstance(prompts, list):
         prompts, errors = read_prompts(prompts)
-    config = with_store_settings(config)
+    config = with_store_settings(config, model)
     settings = ConnectorSettings.from_extra_config(config)
     if settings.cache.chunk_tokens % block_size:
         raise ConfigError(f"block_size: {block_size} must divide chunk_tokens ({settings.cache.chunk_tokens})")
@@ -85,10 +85,13 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
     return report
 
 
-def with_store_settings(config: dict[str, Any] | None) -> dict[str, Any]:
+def with_store_settings(config: dict[str, Any] | None, model: str | None = None) -> dict[str, Any]:
     """``config`` (a ``kv_connector_extra_config``) completed from the store it names, if that
     store exists: how its servers write (``chunk_tokens``, ``compression``, ``durability``,
-    as the newest writer recorded them) where ``config`` leaves them out.
+    as the newest writer recorded them) where ``config`` leaves them out. With ``model`` (the
+    server's ``--model``), ``chunk_tokens`` comes from the namespaces that model's servers
+    registered when they all agree on it: the newest writer may be another model's, or a
+    library user who opened the store with the default.
 
     Warm-up must write as the servers do: the same ``chunk_tokens`` (else its keys are not
     theirs). The store's backend is followed anyway, and its shared limits (``disk_bytes``,
@@ -104,7 +107,25 @@ def with_store_settings(config: dict[str, Any] | None) -> dict[str, Any]:
         return config  # a new store: nothing recorded to keep
     recorded = stored_config(root, str(read_marker(root)["backend"]))
     kept = {k: getattr(recorded, k) for k in STORED_SETTINGS if k not in SHARED_LIMITS}
+    served = _model_chunk_tokens(root, model) if model is not None else set()
+    if len(served) == 1:
+        kept["chunk_tokens"] = served.pop()
     return {**kept, **config}
+
+
+def _model_chunk_tokens(root: Path, model: str) -> set[int]:
+    """The chunk sizes of the namespaces ``model`` registered in the store at ``root``."""
+    from kvtier.backends.index import StoreIndex
+
+    try:
+        index = StoreIndex(root, readonly=True)
+    except Exception:  # no index yet: nothing registered
+        return set()
+    try:
+        return {int(d["chunk_tokens"]) for d in index.namespaces().values()
+                if d.get("model") == model and isinstance(d.get("chunk_tokens"), int)}
+    finally:
+        index.close()
 
 
 def _run_transformers(model: str, prompts: list[Prompt], settings: Any, dtype: str, block_size: int,

@@ -311,6 +311,28 @@ def test_a_writer_opened_with_defaults_keeps_the_stores_settings(
     assert stored_config(fresh, backend).disk_bytes == 64 << 30
 
 
+def test_warmup_takes_chunk_tokens_from_the_models_own_servers(tmp_path: Path, backend: str) -> None:
+    """The recorded chunk_tokens is the newest writer's, which may be a library user who
+    opened the store with the default: warm-up follows the namespaces the model's servers
+    registered instead (else its keys would not be theirs)."""
+    from kvhelpers import namespace
+
+    from kvtier import CacheConfig
+    from kvtier.warmup import with_store_settings
+
+    store = tmp_path / "s"
+    open_cache(store, backend, ns=namespace(model="served", chunk_tokens=CHUNK)).close()
+    ChunkStore(CacheConfig(path=store)).close()  # a default opener: records chunk_tokens 256
+    assert CHUNK != 256
+    assert with_store_settings({"path": str(store)})["chunk_tokens"] == 256  # (newest writer)
+    assert with_store_settings({"path": str(store)}, "served")["chunk_tokens"] == CHUNK
+    assert with_store_settings({"path": str(store)}, "never-served")["chunk_tokens"] == 256
+    assert with_store_settings({"path": str(store), "chunk_tokens": 32}, "served")["chunk_tokens"] == 32
+    # servers of that model with two chunk sizes: no telling which; the newest writer's
+    open_cache(store, backend, ns=namespace(model="served", chunk_tokens=2 * CHUNK)).close()
+    assert with_store_settings({"path": str(store)}, "served")["chunk_tokens"] == 2 * CHUNK
+
+
 def test_orphan_payloads_of_a_killed_writer_are_swept(tmp_path: Path, backend: str) -> None:
     """A payload written but never published (its writer died before the index commit) is
     invisible, and the sweep removes it once it is older than the grace period."""
