@@ -529,7 +529,7 @@ class ChunkStore:
         try:
             if record is not None:
                 entry, data = record
-                if len(data) > self.config.max_record_bytes:
+                if len(data) > self.config.max_record_bytes + codec.MAX_HEADER_BYTES:  # (as the backends read)
                     raise oversized(data, len(data), int(self.config.max_record_bytes))
                 t = decode(ViewReader(data))
             else:

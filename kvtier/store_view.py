@@ -33,17 +33,19 @@ class StoreView:
         self.lookup_errors = 0
         self._closed = False
 
-    def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]]) -> int:
+    def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]], *,
+                            remote: bool = True) -> int:
         """How many leading chunks ``(token_start, key)`` of the chain whose first chunk is
-        ``head`` the store holds (0 if the index cannot be read). Reads the chain's chunks
-        where the index keeps them side by side: a few pages per prompt, also when cold."""
+        ``head`` the store holds (0 if the index cannot be read), counting on in the remote
+        tier unless ``remote`` is False. Reads the chain's chunks where the index keeps them
+        side by side: a few pages per prompt, also when cold."""
         try:
             n = self.backend.count_present_chain(head, spans)
         except Exception as exc:
             self.lookup_errors += 1
             log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
             return 0
-        if n < len(spans) and self.remote is not None:  # the shared tier may hold the rest
+        if n < len(spans) and remote and self.remote is not None:  # the shared tier may hold the rest
             n += self.remote.count_present_prefix([k for _, k in spans[n:]])
         return n
 

@@ -42,7 +42,7 @@ def parse_size(value: int | str, setting: str = "size") -> int:
                 "number with a unit: K, M, G, T (binary) or KB, MB, GB, TB (decimal), e.g. 50G"
             )
         f = float(m.group(1)) * _SIZE_UNITS[unit]
-        if not unit and not f.is_integer():  # 1.5 bytes is a slip (1.5G was meant?)
+        if math.isfinite(f) and _SIZE_UNITS[unit] == 1 and not f.is_integer():  # 1.5 bytes: a slip
             raise ConfigError(f"{setting}: {_shown(value)} is not a whole number of bytes; "
                               "give bytes, or a unit, e.g. 1.5G")
         n = int(f) if math.isfinite(f) else MAX_SIZE + 1  # (no int of inf)

@@ -111,7 +111,7 @@ def read_marker(root: Path) -> dict[str, object]:
 
 def _read_small_file(path: Path, limit: int = 1 << 20) -> str:
     """A small regular file's text; refuses anything else (a FIFO would block forever)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{path.name} is not a regular file")

@@ -61,15 +61,17 @@ def store_root(path: str) -> Path:
 
 
 @contextmanager
-def open_store(path: str, *, write: bool = False, exclusive: bool = False) -> Iterator[OpenStore]:
+def open_store(path: str, *, write: bool = False, exclusive: bool = False,
+               removes_records: bool = False) -> Iterator[OpenStore]:
     """Open an existing store; refuse with advice if it is missing, foreign or too new.
 
     The store lock is shared (beside a server) unless ``exclusive``, which refuses
-    (:class:`StoreError`) while anyone else has the store open.
+    (:class:`StoreError`) while anyone else has the store open. ``removes_records``: the
+    command deletes records (it needs write access to a files store's record directories).
     """
     root = store_root(path)
     marker = read_marker(root)
-    check_access(root, str(marker["backend"]), write=write)
+    check_access(root, str(marker["backend"]), write=write, removes_records=removes_records)
     # The settings its writers recorded in it (limits, budget), with its backend.
     config = stored_config(root, str(marker["backend"]))
     lock = StoreLock(root, exclusive=exclusive)
@@ -87,7 +89,7 @@ def _may(path: Path, mode: int) -> bool:
     return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
 
 
-def check_access(root: Path, backend: str, *, write: bool) -> None:
+def check_access(root: Path, backend: str, *, write: bool, removes_records: bool = False) -> None:
     """Refuse, saying what is needed, a user who cannot write the files every user of a store
     writes, even one that only reads: LMDB records each reader in the environment's
     ``lock.mdb`` (so a writer does not reuse pages it reads; reading without that table is
@@ -117,7 +119,7 @@ def check_access(root: Path, backend: str, *, write: bool) -> None:
             f = env / name
             if not _may(f if f.exists() else env, os.W_OK):
                 missing.append(f"{env.name}/{name} (write)" if f.exists() else f"{env.name}/ (write)")
-    if write and backend == "files":  # removing a record file needs its directory's write bit
+    if removes_records and backend == "files":  # removing a record file needs its directory's write bit
         missing += _unwritable_record_dirs(root / "files")
     if missing:
         why = ("changing the store needs" if write else

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     max_bytes = parse_size(args.max_bytes, "--max-bytes") if args.max_bytes is not None else None
     older = parse_age(args.older_than, "--older-than") if args.older_than is not None else None
     now = time.time()
-    with open_store(args.store, write=not args.dry_run) as st:
+    with open_store(args.store, write=not args.dry_run, removes_records=not args.dry_run) as st:
         descriptions = st.backend.namespaces()
         entries = snapshot(st.backend)
         chosen = resolve_namespaces(st.root, {e.namespace_id for e in entries}, descriptions,

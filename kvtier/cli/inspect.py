@@ -100,7 +100,12 @@ def run(args: argparse.Namespace) -> int:
 def _lora_identity(value: str | None) -> str | None:
     """What a request's keys hold for ``--lora``: an adapter directory (or weight file) is
     fingerprinted as the vLLM connector does; anything else is taken as it is."""
-    if value is None or not Path(value).expanduser().exists():
+    if value is None:
+        return None
+    if not Path(value).expanduser().exists():
+        if "/" in value:  # meant as the adapter's directory: a name has no slash
+            raise UsageError(f"--lora: no such file or directory: {value}; give the directory the "
+                             "server loaded the adapter from (or its sha256:... fingerprint)")
         return value
     try:
         return weights_fingerprint(Path(value).expanduser())

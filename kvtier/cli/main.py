@@ -73,7 +73,7 @@ def _no_space(args: argparse.Namespace, exc: BaseException) -> str | None:
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:  # also under a wrapper ('from None')
-        if _is_full(cause, Path(args.store) if getattr(args, "store", None) else None):
+        if _is_full(cause, Path(args.store).expanduser() if getattr(args, "store", None) else None):
             if getattr(args, "command", None) == "compact":
                 advice = "free space (compact writes a copy of the data in use), then retry"
             else:

@@ -83,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _status(backend: Backend, entry: EntryInfo) -> tuple[str, str, int]:
     """``(kind, why, record bytes)`` of this version of a record, with kind ok, gone,
-    corrupt, incompatible or unreadable."""
+    missing, corrupt, incompatible or unreadable."""
     try:
         header = backend.read_entry(entry, lambda view: check_record(backend, entry.key, view))
     except RECORD_PROBLEMS as exc:
@@ -99,7 +99,7 @@ def _status(backend: Backend, entry: EntryInfo) -> tuple[str, str, int]:
 def verify(store_path: str, *, remove: bool, show_progress: bool) -> Report:
     rep = Report()
     start = time.monotonic()
-    with open_store(store_path, write=remove) as st:
+    with open_store(store_path, write=remove, removes_records=remove) as st:
         entries = snapshot(st.backend)
         with progress("verifying", enabled=show_progress) as bar:
             task = bar.add_task("verify", total=len(entries), status="")

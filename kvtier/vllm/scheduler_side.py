@@ -59,6 +59,14 @@ def _head(st: _Request, chunk: RankedChunk) -> tuple[bytes, ...]:
     return chunk.keys if chunk.start == 0 else st.to_save[0].keys
 
 
+def _rewind(st: _Request, computed: int) -> None:
+    """vLLM rolled the request back to ``computed`` tokens (it recomputes what a failed load
+    left out, or a preempted request from where its cache ends): plan the saves of the
+    chunks it recomputes again (the worker skips those stored or queued)."""
+    while st.next_save and st.to_save[st.next_save - 1].end > computed:
+        st.next_save -= 1
+
+
 class SchedulerSide:
     def __init__(self, store: StoreView, namespaces: list[Namespace], block_size: int,
                  loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool,
@@ -99,8 +107,9 @@ class SchedulerSide:
         self._reqs[request.request_id] = st
         return st
 
-    def _present(self, st: _Request, chunks: list[RankedChunk]) -> int:
-        """How many leading ``chunks`` every rank has stored."""
+    def _present(self, st: _Request, chunks: list[RankedChunk], *, remote: bool = True) -> int:
+        """How many leading ``chunks`` every rank has stored (here or, with ``remote``, in the
+        remote tier)."""
         n = len(chunks)
         if n == 0:
             return 0
@@ -108,8 +117,16 @@ class SchedulerSide:
             if n == 0:
                 break
             head = _head(st, chunks[0])[rank]
-            n = self.store.count_present_chain(head, [(c.start, c.keys[rank]) for c in chunks[:n]])
+            n = self.store.count_present_chain(head, [(c.start, c.keys[rank]) for c in chunks[:n]],
+                                               remote=remote)
         return n
+
+    def _stored(self, st: _Request, hits: list[RankedChunk]) -> set[tuple[bytes, ...]]:
+        """The keys of the ``hits`` this store holds itself: their saves are skipped. (A chunk
+        only the remote tier holds is saved here too, as before a lookup decided it.)"""
+        if self.store.remote is not None:
+            hits = hits[: self._present(st, hits, remote=False)]
+        return {c.keys for c in hits}
 
     def _match(self, st: _Request) -> list[RankedChunk]:
         return match_prefix(st.tokens, st.seeds, st.full, self.chunk_tokens,
@@ -130,11 +147,11 @@ class SchedulerSide:
         # instead. Still look up which of its chunks are stored, so that their saves are skipped.
         if not self.can_load or st.loads_started:
             if self.can_save:
-                st.stored = {c.keys for c in self._match(st)}
+                st.stored = self._stored(st, self._match(st))
             return 0, False
         self.lookups += 1
         hits = self._match(st)
-        st.stored = {c.keys for c in hits}
+        st.stored = self._stored(st, hits)
         if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses)
             self._uses.extend(c.keys for c in hits if c.end <= num_computed_tokens)
         # Leave at least one prompt token to compute; stay block aligned.
@@ -179,6 +196,7 @@ class SchedulerSide:
             if st is None:
                 continue
             st.block_ids = list(new.block_ids[0])
+            _rewind(st, new.num_computed_tokens)  # (model runner V2 resumes a preempted request as new)
             self._plan_saves(new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -191,10 +209,7 @@ class SchedulerSide:
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             before = cached.num_computed_tokens[i]
-            # Rolled back (vLLM recomputes what a failed load left out, or a preempted request
-            # from its start): the recomputed chunks are saved, unless stored or queued.
-            while st.next_save and st.to_save[st.next_save - 1].end > before:
-                st.next_save -= 1
+            _rewind(st, before)
             self._plan_saves(req_id, st, before + so.num_scheduled_tokens.get(req_id, 0), meta)
         return meta
 

@@ -33,7 +33,7 @@ from queue import Empty, Queue
 import torch
 
 from kvtier.keys import Namespace
-from kvtier.store import ChunkStore
+from kvtier.store import ChunkStore, Outcome
 from kvtier.vllm.device import CopyStream, IndexRing, StepIndex
 from kvtier.vllm.layout import Content, blocks_view, gather_blocks, scatter_blocks
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
@@ -49,6 +49,9 @@ LOAD_POLL_S = 0.002
 UNSAFE_SAVE_STEPS = 2
 # At most this many failed loads' keys are remembered until their chunks are saved again.
 REFUTED_MAX = 4096
+# Load outcomes that say a chunk is not stored in a form that loads: its recomputed KV is
+# saved. (An I/O error or a record over this process's size limit leaves an intact record.)
+_NOT_STORED = frozenset({Outcome.MISS, Outcome.CORRUPT, Outcome.INCOMPATIBLE})
 
 
 @dataclass
@@ -401,11 +404,12 @@ class WorkerSide:
             ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
                   and data.dtype == self.dtype)
             if not ok:
-                self._refute(chunk)
+                if data is not None or loaded.outcome in _NOT_STORED:  # (not an I/O error: kept)
+                    self._refute(chunk)
                 for rest in spec.chunks[i:]:
                     res.failed_blocks.extend(rest.block_ids)
                 for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
-                    if later.tensor is None:
+                    if later.outcome in _NOT_STORED:
                         self._refute(rest)
                     del later
                 break
@@ -415,7 +419,8 @@ class WorkerSide:
         return res
 
     def _refute(self, chunk: ChunkLoad) -> None:
-        """(Any thread.) This rank could not load ``chunk``: save it when it is recomputed."""
+        """(Any thread.) ``chunk`` is not stored in a form this rank can load (missing,
+        corrupt, another version or shape): save it when it is recomputed."""
         self._refuted[chunk.keys[self.rank]] = None
         while len(self._refuted) > REFUTED_MAX:  # (one whose save never came)
             with contextlib.suppress(KeyError, RuntimeError, StopIteration):

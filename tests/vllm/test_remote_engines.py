@@ -84,3 +84,19 @@ def test_a_producer_and_a_consumer_with_separate_disks_pass_kv_through_the_remot
     assert got.num_cached_tokens == (len(prompt) - 1) // 32 * 32
     assert got.tokens == base.tokens
     assert stats["remote_hits"] >= 2 and stats["remote_saves"] == 0
+
+
+def test_a_producer_saves_to_its_own_disk_what_only_the_remote_tier_holds(
+        tiny_model: Path, tmp_path: Path, server: LocalRedis) -> None:
+    """A chunk found only in the remote tier is not "stored" for this server: an engine that
+    computes it (here a producer, which never loads) still writes it to its own disk."""
+    remote = {"remote": server.url}
+    with Engine(tiny_model, kv_transfer_config(tmp_path / "a", **remote)) as a:
+        a.generate([P], max_tokens=1)
+        assert a.worker_connector._store.flush(60)
+    with Engine(tiny_model, kv_transfer_config(tmp_path / "b", role="kv_producer", **remote)) as b:
+        b.generate([P], max_tokens=1)
+        store = b.worker_connector._store
+        assert store.flush(60)
+        assert store.counters.snapshot()["saves_committed"] >= 3  # 2 full chunks and the tail
+        assert len(list(store.backend.entries())) >= 3
