@@ -154,3 +154,44 @@ def test_an_engine_that_only_loads_counts_its_own_cache_hits_as_uses(tiny_model:
     with ChunkStore(CacheConfig(path=store_dir)) as store:
         stamps = [x.atime_ns for x in store.backend.entries()]
     assert len(stamps) >= 3 and min(stamps) >= between, (stamps, between)
+
+
+def test_a_preempted_request_resumed_as_new_plans_the_saves_it_recomputes(store_dir: Path) -> None:
+    """vLLM's model runner V2 (its default on GPUs, not run on the CPU) hands a preempted
+    request back as a new one. The chunks it recomputes from where its cache ends are
+    planned again (the worker skips those stored or queued), so a save dropped before the
+    preemption is made up for. vLLM's own request and scheduler-output records; only the
+    output's container is a plain object."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+    from vllm.v1.request import Request
+
+    from kvtier import CacheConfig, Namespace
+    from kvtier.store_view import StoreView
+    from kvtier.vllm.identity import LoraFingerprints
+    from kvtier.vllm.scheduler_side import SchedulerSide
+
+    ns = Namespace(model="m", weights_fingerprint="sha256:00", dtype="bfloat16", kv_shape=(2, 2, 2, 32),
+                   chunk_tokens=256)
+    view = StoreView(CacheConfig(path=store_dir))
+    try:
+        sched = SchedulerSide(view, [ns], 32, LoraFingerprints(None), can_load=True, can_save=True,
+                              save_partial=False)
+        req = Request("r", tokens(600, seed=90), SamplingParams(max_tokens=1), None)
+        sched.on_new_request(req)
+
+        def step(computed: int, scheduled: int) -> list[int]:
+            new = NewRequestData.from_request(req, (list(range(19)),))
+            new.num_computed_tokens = computed
+            so = SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={"r": scheduled},
+                                 scheduled_cached_reqs=CachedRequestData.make_empty())
+            return [s.token_start for s in sched.build_connector_meta(so).saves]
+
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert step(0, 600) == [0, 256]
+        # preempted; vLLM's own cache kept the first 256 tokens: it resumes as a new request
+        assert step(256, 344) == [256]
+    finally:
+        view.close()
