@@ -77,6 +77,7 @@ class _Pending:
     head: bytes | None
     from_remote: bool = False  # promoted from the remote tier: not uploaded back
     ready: Callable[[], object] | None = None  # waits until the tensor's bytes are there
+    replace: bool = False  # replaces a stored record of the key (see PutItem.replace)
 
     @property
     def nbytes(self) -> int:
@@ -204,7 +205,7 @@ class ChunkStore:
     def put(self, key: bytes, tensor: torch.Tensor, *, namespace_id: bytes, token_start: int,
             num_tokens: int, group: bytes | None = None, parent: bytes | None = None,
             head: bytes | None = None, ready: Callable[[], object] | None = None,
-            wait_until: float | None = None, _from_remote: bool = False) -> bool:
+            wait_until: float | None = None, replace: bool = False, _from_remote: bool = False) -> bool:
         """Queue a chunk for the persistent tier (and keep it in the host tier).
 
         ``parent`` is the key of the chunk this one extends (None for a chain's first chunk),
@@ -214,6 +215,8 @@ class ChunkStore:
         tensor; do not modify it afterwards). ``ready``, if given, returns once the tensor's
         bytes are all there (a device copy into it may still be in flight when ``put`` is
         called): the writer thread calls it before reading them, so the caller never waits.
+        A record of ``key`` stored meanwhile (by any process) is kept and this copy dropped,
+        unless ``replace`` (the caller could not load the stored one).
         Returns False if the save was dropped because the write queue is full or closed;
         with ``wait_until`` (a monotonic time; offline writers only, never a server's loop)
         it waits for the writer to make room instead, until then.
@@ -221,7 +224,7 @@ class ChunkStore:
         if self.readonly:
             raise RuntimeError("store opened read-only")
         item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head,
-                        _from_remote, ready)
+                        _from_remote, ready, replace)
         if item.nbytes > self.config.max_record_bytes:  # no process with this limit could load it
             self.counters.add(dropped_saves=1)
             self._warn.warning("oversized", "kvtier: a %d-byte chunk is over max_record_bytes (%d): "
@@ -380,7 +383,7 @@ class ChunkStore:
             fresh = self._fresh.pop(id(p.tensor), None) is p.tensor
             record = codec.record_in_place(p.tensor, header) if fresh and self.config.compression == "none" else None
             items.append(PutItem(p.key, header, payload, p.namespace_id, p.group, p.parent,
-                                 p.token_start, p.num_tokens, p.head, record))
+                                 p.token_start, p.num_tokens, p.head, record, replace=p.replace))
         return items
 
     def _commit(self, batch: list[_Pending], items: list[PutItem]) -> None:
@@ -458,9 +461,8 @@ class ChunkStore:
         return n
 
     def present_each(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each of ``keys`` is stored or queued to be, in one index read: what a
-        worker checks for a whole step's saves at once (all False if the index cannot be
-        read: the saves then go ahead; a second copy replaces the first)."""
+        """Whether each of ``keys`` is stored or queued to be, in one index read (all False if
+        the index cannot be read: the saves then go ahead; the index keeps the first copy)."""
         try:
             stored = self.backend.present_each(keys)
         except Exception as exc:

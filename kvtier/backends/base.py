@@ -116,11 +116,12 @@ class Backend:
                              head=it.head or (it.key if it.parent is None else NO_KEY))
                    for it, loc in ok]
             try:
-                done = self.index.publish(new, int(self.config.disk_bytes), EVICT_LOW_WATERMARK)
+                done = self.index.publish(new, int(self.config.disk_bytes), EVICT_LOW_WATERMARK,
+                                          replacing={it.key for it, _ in ok if it.replace})
             except Exception as exc:
                 self._remove_payloads(new)  # never published: nobody can see them
                 raise OSError(f"index commit failed: {exc}") from exc
-            self._remove_payloads(done.replaced + done.evicted)
+            self._remove_payloads(done.replaced + done.evicted + done.kept_out)
         return PutResult([it for it, _ in ok], failed, room + done.evicted)
 
     def _make_room_on_disk(self, need: int) -> list[EntryInfo]:

@@ -40,8 +40,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import lmdb
@@ -128,6 +128,8 @@ class Published:
 
     replaced: list[EntryInfo]
     evicted: list[EntryInfo]
+    # new entries not published because the key was stored already (see publish)
+    kept_out: list[EntryInfo] = field(default_factory=list)
 
 
 _PID_MASK = (1 << 22) - 1
@@ -344,14 +346,20 @@ class StoreIndex:
         with self._write() as txn:
             txn.put(namespace_id, blob, db=self._ns)
 
-    def publish(self, new: Sequence[EntryInfo], default_budget: int | None, low_watermark: float
-                ) -> Published:
+    def publish(self, new: Sequence[EntryInfo], default_budget: int | None, low_watermark: float,
+                replacing: Collection[bytes] = ()) -> Published:
         """Make ``new`` entries visible in one commit (their payloads must already be
         durable), then, if the occupied bytes exceed the store's budget (the ``disk_bytes``
         its settings record, read in this same commit; else ``default_budget``), evict down
         to ``low_watermark`` x that budget. Returns what was replaced or evicted, whose
-        payloads the caller removes after this returns."""
+        payloads the caller removes after this returns.
+
+        A key stored already keeps its record (its content is the same: a key names it) and
+        the new copy is left out (``kept_out``; its use counts for the LRU): a reader of the
+        stored record must not find it removed under it. Keys in ``replacing`` (a writer that
+        could not load the stored record) replace it."""
         replaced: list[EntryInfo] = []
+        kept_out: list[EntryInfo] = []
         with self._write() as txn:
             budget = budget_of(_json_object(txn.get(_SETTINGS_KEY, db=self._info)), default_budget)
             tot = self._totals(txn)
@@ -361,6 +369,11 @@ class StoreIndex:
                     e = replace(e, head=up.head if up is not None and up.head != NO_KEY else
                                 (up.key if up is not None else e.key))
                 old = self._get(txn, e.key)
+                if old is not None and e.key not in replacing:
+                    kept_out.append(e)
+                    if old.atime_ns < e.atime_ns:  # a save of it is a use
+                        self._restamp(txn, old, replace(old, atime_ns=e.atime_ns))
+                    continue
                 if old is not None:
                     if old.lease_until_ns > e.lease_until_ns:  # a load was promised this key
                         e = replace(e, lease_until_ns=old.lease_until_ns)
@@ -372,7 +385,7 @@ class StoreIndex:
             if budget is not None and tot.occupied > budget:
                 evicted = self._evict_in(txn, int(budget * low_watermark), tot, time.time_ns())
             self._put_totals(txn, tot)
-        return Published(replaced, evicted)
+        return Published(replaced, evicted, kept_out)
 
     def remove(self, keys: Iterable[bytes], locations: Sequence[int] | None = None) -> list[EntryInfo]:
         """Drop entries (with ``locations``: only those still at that location, so a newer

@@ -39,6 +39,9 @@ class PutItem:
     # codec.record_in_place): page-aligned, running to the end of the record's last page;
     # the record is its first ``size`` bytes. None: the store assembles header + payload.
     record: memoryview | None = None
+    # replace a stored record of the key (its writer could not load it); else a stored one is
+    # kept and this copy dropped (see StoreIndex.publish)
+    replace: bool = False
 
     @property
     def size(self) -> int:

@@ -49,9 +49,10 @@ LOAD_POLL_S = 0.002
 UNSAFE_SAVE_STEPS = 2
 # At most this many failed loads' keys are remembered until their chunks are saved again.
 REFUTED_MAX = 4096
-# Load outcomes that say a chunk is not stored in a form that loads: its recomputed KV is
-# saved. (An I/O error or a record over this process's size limit leaves an intact record.)
-_NOT_STORED = frozenset({Outcome.MISS, Outcome.CORRUPT, Outcome.INCOMPATIBLE})
+# Load outcomes that say a chunk is not stored: its recomputed KV is saved. (Not an I/O
+# error or a record over this process's size limit, which leave an intact record, nor one of
+# another format version, kept for the kvtier that reads it.)
+_NOT_STORED = frozenset({Outcome.MISS, Outcome.CORRUPT})
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _Staged:
     # was free; the store counts it too), "save_unsafe_chunks" (see UNSAFE_SAVE_STEPS)
     skipped: str = "save_skipped_chunks"
     idx: torch.Tensor | None = None  # its block ids on the device (this step's upload)
+    replace: bool = False  # this rank could not load the stored record: replace it
 
 
 @dataclass
@@ -147,7 +149,7 @@ class WorkerSide:
         self._reporting: list[tuple[torch.cuda.Event | None, str, _LoadResult]] = []
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
         self._load_errors: set[int] = set()
-        # Keys this rank failed to load (missing, corrupt, incompatible): the scheduler's
+        # Keys this rank failed to load (missing, corrupt, the wrong shape): the scheduler's
         # lookup called them stored, but their recomputed KV must be saved. (Insertion-ordered,
         # bounded; reader threads add, the model's thread takes.)
         self._refuted: dict[bytes, None] = {}
@@ -188,8 +190,8 @@ class WorkerSide:
         self._release_landed()  # the last steps' buffers whose copies are done (never waits)
         self._save_deadline = time.monotonic() + self.save_wait_s if self.save_wait_s else None
         # Stored: as the scheduler's lookup found it, or queued here since. No index read: it
-        # could wait for the disk on this thread (a chunk stored since the lookup is saved
-        # again, and the second copy replaces the first).
+        # could wait for the disk on this thread (a chunk stored since the lookup is written
+        # again, and the index keeps the first copy).
         queued = self.store.queued_each([spec.keys[self.rank] for spec in meta.saves])
         staged = []
         used = []
@@ -206,7 +208,7 @@ class WorkerSide:
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
             buf = self.store.buffer(shape, self.dtype, wait_until=self._save_deadline)
-            staged.append(_Staged(spec, buf, "save_dropped_chunks"))
+            staged.append(_Staged(spec, buf, "save_dropped_chunks", replace=refuted))
         # A use from vLLM's own prefix cache (or a load): else the store's LRU would evict the
         # hottest prefixes first, those that never need a load while the server runs.
         self.store.touch(used)
@@ -285,7 +287,7 @@ class WorkerSide:
                                 token_start=s.spec.token_start, num_tokens=s.spec.num_tokens,
                                 group=s.spec.keys[0], parent=parents[self.rank] if parents else None,
                                 head=s.spec.head_keys[self.rank] if s.spec.head_keys else None, ready=ready,
-                                wait_until=self._save_deadline)
+                                wait_until=self._save_deadline, replace=s.replace)
             self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
                        save_dropped_chunks=0 if ok else 1)
 
@@ -420,7 +422,7 @@ class WorkerSide:
 
     def _refute(self, chunk: ChunkLoad) -> None:
         """(Any thread.) ``chunk`` is not stored in a form this rank can load (missing,
-        corrupt, another version or shape): save it when it is recomputed."""
+        corrupt, the wrong shape): save it when it is recomputed, replacing what is stored."""
         self._refuted[chunk.keys[self.rank]] = None
         while len(self._refuted) > REFUTED_MAX:  # (one whose save never came)
             with contextlib.suppress(KeyError, RuntimeError, StopIteration):

@@ -113,10 +113,12 @@ def test_remove_corrupt_keeps_a_version_saved_after_the_check(fresh_store: Built
     resaved: list[bool] = []
 
     def resave_first(backend: Backend) -> None:
-        # a server saves the chunk again (a new version) after verify's last check of it
+        # a server saves the chunk again (a new version, replacing the one it could not load)
+        # after verify's last check of it
         if not resaved:
             res = backend.put_many([PutItem(key, good[:hlen], memoryview(good[hlen:]), entry.namespace_id,
-                                            token_start=entry.token_start, num_tokens=entry.num_tokens)])
+                                            token_start=entry.token_start, num_tokens=entry.num_tokens,
+                                            replace=True)])
             assert res.stored and not res.failed
             resaved.append(True)
 

@@ -53,7 +53,8 @@ def test_a_corrupt_record_read_by_dali_is_counted_and_removed(tmp_path: Path) ->
 def test_a_corrupt_version_read_by_dali_never_removes_a_newer_one(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """DALI reads the records listed before it started; if another server saves a chunk
-    again meanwhile (a new version, elsewhere), a corrupt old version removes itself only."""
+    again meanwhile (a new version, elsewhere: one that could not load the old one replaces
+    it), a corrupt old version removes itself only."""
     import kvtier.dali_reader as dali_reader
 
     _fill(tmp_path / "s")
@@ -73,7 +74,7 @@ def test_a_corrupt_version_read_by_dali_never_removes_a_newer_one(tmp_path: Path
                 if paths[i] == str(victim):  # read; now the chunk is saved again
                     store.host.clear()
                     store.put(c.key, make_kv(seq[c.start:c.end], start=c.start), namespace_id=ns.id,
-                              token_start=c.start, num_tokens=c.end - c.start)
+                              token_start=c.start, num_tokens=c.end - c.start, replace=True)
                     assert store.flush(30)
                     assert store.backend.lookup(c.key).location != old.location
                 yield i, got

@@ -5,6 +5,7 @@ over one process's size limit is another process's, never deleted as corrupt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -574,9 +575,11 @@ def test_a_prompt_is_looked_up_in_chain_order(tmp_path: Path, backend: str) -> N
 
 
 def test_a_lease_survives_the_key_being_published_again(tmp_path: Path, backend: str) -> None:
-    """Two servers that both found a chunk absent both save it; a scheduler that promised the
-    first copy to a load between the two publishes keeps its promise: the second keeps the
-    lease, so eviction does not take the chunk from under the load."""
+    """Two servers that both found a chunk absent both save it: the first copy stays (a load
+    promised it between the two publishes may be reading it) and the second is left out,
+    its payload removed. A copy that replaces the first (its writer could not load it) keeps
+    the lease a scheduler gave the first, so eviction does not take the chunk from under the
+    load."""
     with open_cache(tmp_path / "s", backend) as cache:
         cache.save(TOKS, make_kv(TOKS))
         assert cache.flush(30)
@@ -590,7 +593,12 @@ def test_a_lease_survives_the_key_being_published_again(tmp_path: Path, backend:
                                        token_start=old.token_start, num_tokens=old.num_tokens)
         item = PutItem(keys[-1], header, payload, old.namespace_id, group=old.group, parent=old.parent,
                        head=old.head, token_start=old.token_start, num_tokens=old.num_tokens)
+        before = set(b.payloads.found())
         b.put_many([item])  # the second server's copy of the same chunk
+        assert b.lookup(keys[-1]).location == old.location  # the first copy stays ...
+        assert set(b.payloads.found()) == before  # ... and the second's payload is gone
+        assert b.lookup(keys[-1]).atime_ns > old.atime_ns  # (a save is a use)
+        b.put_many([dataclasses.replace(item, replace=True)])  # one that replaces it
         assert b.lookup(keys[-1]).location != old.location
         assert b.evict_lru(0)[0] == 0  # the leased chain (all of it) is kept
         assert b.count_present_prefix(keys) == 6
