@@ -14,6 +14,7 @@ class Counters:
     bytes_loaded: int = 0
     saves_queued: int = 0
     saves_committed: int = 0
+    saves_duplicate: int = 0  # written, but the key was stored already: that copy was kept
     bytes_saved: int = 0
     dropped_saves: int = 0
     corrupt_records: int = 0

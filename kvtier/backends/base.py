@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -60,6 +60,8 @@ class PutResult:
     stored: list[PutItem]
     failed: list[tuple[PutItem, BaseException]]
     evicted: list[EntryInfo]
+    # of ``stored``: keys stored already, whose copies were left out (see StoreIndex.publish)
+    left_out: list[EntryInfo] = field(default_factory=list)
 
     @property
     def evicted_bytes(self) -> int:
@@ -122,7 +124,7 @@ class Backend:
                 self._remove_payloads(new)  # never published: nobody can see them
                 raise OSError(f"index commit failed: {exc}") from exc
             self._remove_payloads(done.replaced + done.evicted + done.kept_out)
-        return PutResult([it for it, _ in ok], failed, room + done.evicted)
+        return PutResult([it for it, _ in ok], failed, room + done.evicted, done.kept_out)
 
     def _make_room_on_disk(self, need: int) -> list[EntryInfo]:
         """If the filesystem itself is about to run out (it can fill before the budget does,

@@ -146,10 +146,20 @@ _SEQ = itertools.count()
 
 def new_location() -> int:
     """A fresh payload location: the creation second (high 32 bits), the writer's pid (22
-    bits) and a per-process counter (10 bits). Two processes never share one; the orphan
-    sweep reads the age and the writer from it."""
+    bits) and a per-process counter (10 bits); the orphan sweep reads the age and the writer
+    from it. Two writers of the same key can still meet at one location (the same pid in two
+    containers, or over 1024 payloads a second): they write the same bytes (a key names its
+    content), and nothing removes a payload the index names at that location."""
     return ((int(time.time()) & 0xFFFFFFFF) << 32 | (os.getpid() & _PID_MASK) << 10
             | (next(_SEQ) & 0x3FF))
+
+
+def _relates_more(new: EntryInfo, old: EntryInfo) -> bool:
+    """Whether ``new`` ties the chunk to its chain or its tensor-parallel group where the
+    stored ``old`` does not (say, a chunk promoted from the remote tier, which knows neither):
+    then it replaces ``old``, so that eviction keeps chains and rank tuples whole."""
+    return ((old.parent == NO_KEY and new.parent != NO_KEY)
+            or (old.group in (NO_KEY, old.key) and new.group not in (NO_KEY, new.key)))
 
 
 def location_age_s(location: int) -> float:
@@ -369,8 +379,9 @@ class StoreIndex:
                     e = replace(e, head=up.head if up is not None and up.head != NO_KEY else
                                 (up.key if up is not None else e.key))
                 old = self._get(txn, e.key)
-                if old is not None and e.key not in replacing:
-                    kept_out.append(e)
+                if old is not None and e.key not in replacing and not _relates_more(e, old):
+                    if old.location != e.location:  # (the same location: the same payload)
+                        kept_out.append(e)
                     if old.atime_ns < e.atime_ns:  # a save of it is a use
                         self._restamp(txn, old, replace(old, atime_ns=e.atime_ns))
                     continue

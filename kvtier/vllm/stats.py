@@ -31,6 +31,8 @@ PROM_COUNTERS = {
     "store_hits_disk": "Chunk loads served from the persistent tier",
     "store_misses": "Chunk loads that found nothing usable",
     "store_bytes_saved": "Bytes committed to the persistent tier",
+    "store_saves_duplicate": "Chunks written but left out because another copy was stored meanwhile "
+                             "(two servers computing the same prefix)",
     "store_dropped_saves": "Saves dropped (queue full, disk full, I/O error)",
     "store_corrupt_records": "Records that failed verification (served as misses)",
     "store_evicted_disk": "Records evicted from the persistent tier",

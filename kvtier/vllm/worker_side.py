@@ -150,9 +150,10 @@ class WorkerSide:
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
         self._load_errors: set[int] = set()
         # Keys this rank failed to load (missing, corrupt, the wrong shape): the scheduler's
-        # lookup called them stored, but their recomputed KV must be saved. (Insertion-ordered,
+        # lookup called them stored, but their recomputed KV must be saved; True: replacing
+        # the stored record, which this rank read and could not use. (Insertion-ordered,
         # bounded; reader threads add, the model's thread takes.)
-        self._refuted: dict[bytes, None] = {}
+        self._refuted: dict[bytes, bool] = {}
         self._unsafe_save_steps = 0  # see UNSAFE_SAVE_STEPS
         self._pool = ThreadPoolExecutor(max(1, store.config.io_threads), thread_name_prefix="kvtier-kvload")
         self.stats: dict[str, float] = {}  # only touched on the model's thread
@@ -198,8 +199,6 @@ class WorkerSide:
         for spec, in_queue in zip(meta.saves, queued, strict=True):
             key = spec.keys[self.rank]
             refuted = key in self._refuted  # its load failed here: not stored after all
-            if refuted and not unsafe:  # (an unsafe step's save is discarded: not yet)
-                self._refuted.pop(key, None)
             there = not unsafe and ((spec.stored and not refuted) or in_queue)
             if there:  # stored already, and used all the same (see record_uses)
                 used.append(key)
@@ -208,7 +207,8 @@ class WorkerSide:
                 continue
             shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
             buf = self.store.buffer(shape, self.dtype, wait_until=self._save_deadline)
-            staged.append(_Staged(spec, buf, "save_dropped_chunks", replace=refuted))
+            replace = self._refuted.pop(key, False) if buf is not None else False  # (saved now)
+            staged.append(_Staged(spec, buf, "save_dropped_chunks", replace=replace))
         # A use from vLLM's own prefix cache (or a load): else the store's LRU would evict the
         # hottest prefixes first, those that never need a load while the server runs.
         self.store.touch(used)
@@ -406,7 +406,9 @@ class WorkerSide:
             ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
                   and data.dtype == self.dtype)
             if not ok:
-                if data is not None or loaded.outcome in _NOT_STORED:  # (not an I/O error: kept)
+                if data is not None:  # a record this rank read and cannot use: replaced
+                    self._refute(chunk, replace=True)
+                elif loaded.outcome in _NOT_STORED:  # (not an I/O error: kept)
                     self._refute(chunk)
                 for rest in spec.chunks[i:]:
                     res.failed_blocks.extend(rest.block_ids)
@@ -420,10 +422,12 @@ class WorkerSide:
         res.seconds = time.perf_counter() - t0
         return res
 
-    def _refute(self, chunk: ChunkLoad) -> None:
+    def _refute(self, chunk: ChunkLoad, *, replace: bool = False) -> None:
         """(Any thread.) ``chunk`` is not stored in a form this rank can load (missing,
-        corrupt, the wrong shape): save it when it is recomputed, replacing what is stored."""
-        self._refuted[chunk.keys[self.rank]] = None
+        corrupt, the wrong shape): save it when it is recomputed. ``replace``: the stored
+        record is one this rank read and cannot use (else what is stored by then is another
+        writer's copy, which a reader may be loading: kept)."""
+        self._refuted[chunk.keys[self.rank]] = replace
         while len(self._refuted) > REFUTED_MAX:  # (one whose save never came)
             with contextlib.suppress(KeyError, RuntimeError, StopIteration):
                 del self._refuted[next(iter(self._refuted))]

@@ -594,7 +594,8 @@ def test_a_lease_survives_the_key_being_published_again(tmp_path: Path, backend:
         item = PutItem(keys[-1], header, payload, old.namespace_id, group=old.group, parent=old.parent,
                        head=old.head, token_start=old.token_start, num_tokens=old.num_tokens)
         before = set(b.payloads.found())
-        b.put_many([item])  # the second server's copy of the same chunk
+        res = b.put_many([item])  # the second server's copy of the same chunk
+        assert [e.key for e in res.left_out] == [keys[-1]]
         assert b.lookup(keys[-1]).location == old.location  # the first copy stays ...
         assert set(b.payloads.found()) == before  # ... and the second's payload is gone
         assert b.lookup(keys[-1]).atime_ns > old.atime_ns  # (a save is a use)
@@ -602,6 +603,37 @@ def test_a_lease_survives_the_key_being_published_again(tmp_path: Path, backend:
         assert b.lookup(keys[-1]).location != old.location
         assert b.evict_lru(0)[0] == 0  # the leased chain (all of it) is kept
         assert b.count_present_prefix(keys) == 6
+
+
+def test_a_second_copy_at_the_first_copys_location_removes_nothing(tmp_path: Path, backend: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writers of one key can meet at one location (the same pid in two containers, in the
+    same second): the copy left out is then the very payload the index names, and stays."""
+    import kvtier.backends.base as base
+
+    monkeypatch.setattr(base, "new_location", lambda: (int(time.time()) << 32) | 12345)
+    with ChunkStore(config(tmp_path / "s", backend)) as store:
+        b = store.backend
+        k = _key("same-place")
+        b.put_many([_item(k, 1)])
+        where = b.lookup(k).location
+        b.put_many([_item(k, 1)])
+        assert b.lookup(k).location == where
+        assert b.read(k, bytes) is not None  # (the left-out copy's removal would remove it)
+
+
+def test_a_copy_that_knows_the_chunks_chain_replaces_one_that_does_not(tmp_path: Path, backend: str) -> None:
+    """A chunk promoted from the remote tier is stored without its parent or rank group: a
+    later save that knows them replaces it, so that eviction keeps its chain whole."""
+    with ChunkStore(config(tmp_path / "s", backend)) as store:
+        b = store.backend
+        head, tail, rank1 = _key("head"), _key("tail"), _key("rank1")
+        b.put_many([_item(head, 0), _item(tail, 1), _item(rank1, 2)])  # no relations known
+        res = b.put_many([_item(tail, 1, parent=head), _item(rank1, 2, group=head)])
+        assert not res.left_out
+        assert b.lookup(tail).parent == head and b.lookup(rank1).group == head
+        res = b.put_many([_item(tail, 1, parent=head)])  # knows no more than what is stored
+        assert [e.key for e in res.left_out] == [tail]
 
 
 def test_temp_files_are_judged_by_their_writers_pid_only_where_that_pid_means_something(tmp_path: Path) -> None:
