@@ -19,7 +19,7 @@ import importlib.util
 import os
 from collections.abc import Iterator, Sequence
 
-from kvtier.backends.files import open_record
+from kvtier.backends.payloads import open_regular_file
 from kvtier.errors import ConfigError
 
 INSTALL_HINT = "the DALI reader needs NVIDIA DALI: pip install 'kvtier[dali]'"
@@ -70,7 +70,7 @@ def read_files(paths: Sequence[str], *, threads: int = 4, batch: int = 16) -> It
 
 def _read_plain(path: str) -> memoryview | None:
     try:
-        with open(path, "rb", buffering=0, opener=lambda p, f: open_record(p)) as f:
+        with open(path, "rb", buffering=0, opener=lambda p, f: open_regular_file(p)) as f:
             return memoryview(f.read())
     except FileNotFoundError:
         return None

@@ -128,21 +128,18 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(tokens)
     except (OverflowError, ValueError):  # ragged nesting, say
         raise ValueError("token ids must be a one-dimensional sequence of integers") from None
-    if arr.size and arr.dtype.kind == "f":
-        if not np.all(np.isfinite(arr) & (arr == np.floor(arr))):
-            raise ValueError("token ids must be integers, got fractional values")  # (0.5 would key as 0)
-        if arr.min() < 0 or arr.max() >= 2**32:
-            raise ValueError("token ids must be in [0, 2**32)")
-    if arr.size and arr.dtype.kind not in "iubfO":
-        raise ValueError(f"token ids must be integers, got {arr.dtype} values")
-    try:
-        arr = arr.astype(np.int64, copy=False)
-    except (OverflowError, TypeError, ValueError):  # beyond int64, or not numbers at all
-        raise ValueError("token ids must be integers in [0, 2**32)") from None
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-        raise ValueError("token ids must be in [0, 2**32)")
+    if arr.size:
+        if arr.dtype.kind not in "iubfO":
+            raise ValueError(f"token ids must be integers, got {arr.dtype} values")
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.floor(arr))):
+            raise ValueError("token ids must be integers, got fractional values")  # (0.5 would key as 0)
+        try:  # in range before the cast, which would wrap what is not (ints beyond int64: object)
+            if arr.min() < 0 or arr.max() >= 2**32:
+                raise ValueError("token ids must be in [0, 2**32)")
+        except TypeError:  # not numbers at all
+            raise ValueError(f"token ids must be integers, got {arr.dtype} values") from None
     return arr.astype("<u4")
 
 

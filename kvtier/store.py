@@ -621,17 +621,14 @@ class ChunkStore:
         return Loaded(outcome, why=str(exc))
 
     def _drop_if_dangling(self, entry: EntryInfo) -> None:
-        """The payload of ``entry`` was not found. Evicted or rewritten meanwhile, the index
-        no longer names that version: a plain miss. Still named, the file was removed behind
-        the store's back (a record never becomes visible before its payload is written): the
-        entry can never load, and would keep the chunk from being saved again: drop it."""
+        """The payload of ``entry`` was not found. If the index still names that version
+        (:meth:`Backend.still_names`), the entry can never load, and would keep the chunk from
+        being saved again: drop it. Else a plain miss."""
         if self.readonly:
             return
         try:
-            now = self.backend.lookup(entry.key)
-            if now is None or now.location != entry.location:
-                return
-            if self.backend.delete_entry(entry):
+            # (a read first: the common case, evicted meanwhile, needs no write transaction)
+            if self.backend.still_names(entry) and self.backend.delete_entry(entry):
                 self.counters.add(missing_payloads=1)
                 self._warn.warning("missing", "kvtier: record %s had no payload file (removed by hand?); "
                                    "dropped from the index", entry.key.hex()[:16])

@@ -13,7 +13,6 @@ import fcntl
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +23,7 @@ from lmdb import Error as LmdbError
 
 from kvtier.backends.base import Backend, EntryInfo, PutItem, PutResult
 from kvtier.backends.lmdb_check import not_damage, unusable_store
-from kvtier.backends.payloads import PayloadStore
+from kvtier.backends.payloads import PayloadStore, open_regular_file
 from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError, StoreError, StoreFormatError
@@ -110,11 +109,9 @@ def read_marker(root: Path) -> dict[str, object]:
 
 
 def _read_small_file(path: Path, limit: int = 1 << 20) -> str:
-    """A small regular file's text; refuses anything else (a FIFO would block forever)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    """A small regular file's text (a FIFO would block a plain read forever)."""
+    fd = open_regular_file(path, follow_links=True)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
         return os.read(fd, limit).decode()
     finally:
         os.close(fd)

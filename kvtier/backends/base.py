@@ -123,8 +123,8 @@ class Backend:
             except Exception as exc:
                 self._remove_payloads(new)  # never published: nobody can see them
                 raise OSError(f"index commit failed: {exc}") from exc
-            self._remove_payloads(done.replaced + done.evicted + done.kept_out)
-        return PutResult([it for it, _ in ok], failed, room + done.evicted, done.kept_out)
+            self._remove_payloads(done.replaced + done.evicted + done.left_out)
+        return PutResult([it for it, _ in ok], failed, room + done.evicted, done.left_out)
 
     def _make_room_on_disk(self, need: int) -> list[EntryInfo]:
         """If the filesystem itself is about to run out (it can fill before the budget does,
@@ -208,6 +208,13 @@ class Backend:
     # -- reads -----------------------------------------------------------------------------
     def lookup(self, key: bytes) -> EntryInfo | None:
         return self.index.get(key)
+
+    def still_names(self, entry: EntryInfo) -> bool:
+        """Whether the index still names this version of the record. One whose payload is
+        not found then lost its file behind the store's back (a payload is written before its
+        entry is published and removed after it is hidden); else it was evicted or replaced."""
+        now = self.index.get(entry.key)
+        return now is not None and now.location == entry.location
 
     def read_entry(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
         """``fn`` of the record this entry names; None if its payload went meanwhile."""

@@ -41,7 +41,13 @@ import numpy as np
 
 from kvtier.anon_memory import anonymous_map
 from kvtier.backends.index import ORPHAN_GRACE_S, EntryInfo, pid_alive, pid_scope
-from kvtier.backends.payloads import PayloadStore, PutItem, ThreadBuffer, oversized
+from kvtier.backends.payloads import (
+    PayloadStore,
+    PutItem,
+    ThreadBuffer,
+    open_regular_file,
+    oversized,
+)
 from kvtier.codec import MAX_HEADER_BYTES, RecordReader
 from kvtier.errors import RecordError
 
@@ -322,7 +328,7 @@ class FilePayloads(PayloadStore):
     # -- reads ---------------------------------------------------------------------------
     def read(self, entry: EntryInfo, fn: Callable[[memoryview], T]) -> T | None:
         try:
-            fd = open_record(self._inside(entry.key, entry.location))
+            fd = open_regular_file(self._inside(entry.key, entry.location))
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss
         try:
@@ -340,7 +346,7 @@ class FilePayloads(PayloadStore):
         """The record through a reader on its open file: the payload is read straight into
         the caller's buffer (one copy out of the page cache), not staged first."""
         try:
-            fd = open_record(self._inside(entry.key, entry.location))
+            fd = open_regular_file(self._inside(entry.key, entry.location))
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss
         try:
@@ -353,7 +359,7 @@ class FilePayloads(PayloadStore):
     def read_head(self, entry: EntryInfo, n: int) -> tuple[bytes, int] | None:
         try:
             with open(self._inside(entry.key, entry.location), "rb", buffering=0,
-                      opener=lambda p, f: open_record(p)) as f:
+                      opener=lambda p, f: open_regular_file(p)) as f:
                 return f.read(n), os.fstat(f.fileno()).st_size
         except FileNotFoundError:
             return None
@@ -365,17 +371,6 @@ class FilePayloads(PayloadStore):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-def open_record(path: str | Path) -> int:
-    """A record file opened for reading. A store prepared by someone else must not lead
-    reads out of it (``O_NOFOLLOW``), nor hang them: a FIFO or device in a record's place
-    is refused (``O_NONBLOCK`` opens it without waiting; it means nothing for a file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    return fd
 
 
 def _parse_name(name: str) -> tuple[bytes, int] | None:

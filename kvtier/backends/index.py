@@ -129,7 +129,7 @@ class Published:
     replaced: list[EntryInfo]
     evicted: list[EntryInfo]
     # new entries not published because the key was stored already (see publish)
-    kept_out: list[EntryInfo] = field(default_factory=list)
+    left_out: list[EntryInfo] = field(default_factory=list)
 
 
 _PID_MASK = (1 << 22) - 1
@@ -365,11 +365,11 @@ class StoreIndex:
         payloads the caller removes after this returns.
 
         A key stored already keeps its record (its content is the same: a key names it) and
-        the new copy is left out (``kept_out``; its use counts for the LRU): a reader of the
+        the new copy is left out (``left_out``; its use counts for the LRU): a reader of the
         stored record must not find it removed under it. Keys in ``replacing`` (a writer that
         could not load the stored record) replace it."""
         replaced: list[EntryInfo] = []
-        kept_out: list[EntryInfo] = []
+        left_out: list[EntryInfo] = []
         with self._write() as txn:
             budget = budget_of(_json_object(txn.get(_SETTINGS_KEY, db=self._info)), default_budget)
             tot = self._totals(txn)
@@ -381,7 +381,7 @@ class StoreIndex:
                 old = self._get(txn, e.key)
                 if old is not None and e.key not in replacing and not _relates_more(e, old):
                     if old.location != e.location:  # (the same location: the same payload)
-                        kept_out.append(e)
+                        left_out.append(e)
                     if old.atime_ns < e.atime_ns:  # a save of it is a use
                         self._restamp(txn, old, replace(old, atime_ns=e.atime_ns))
                     continue
@@ -396,7 +396,7 @@ class StoreIndex:
             if budget is not None and tot.occupied > budget:
                 evicted = self._evict_in(txn, int(budget * low_watermark), tot, time.time_ns())
             self._put_totals(txn, tot)
-        return Published(replaced, evicted, kept_out)
+        return Published(replaced, evicted, left_out)
 
     def remove(self, keys: Iterable[bytes], locations: Sequence[int] | None = None) -> list[EntryInfo]:
         """Drop entries (with ``locations``: only those still at that location, so a newer

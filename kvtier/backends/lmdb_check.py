@@ -57,12 +57,12 @@ def _address_space_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, lmdb.MemoryError | MemoryError):
-        return True
+def _reports(exc: BaseException, code: int) -> bool:
+    """Whether ``exc`` is the OS error ``code``: an ``OSError``, or an ``lmdb.Error`` naming
+    it (py-lmdb reports most OS errors as a plain ``lmdb.Error`` with the OS's message)."""
     if isinstance(exc, OSError):
-        return exc.errno == errno.ENOMEM
-    return isinstance(exc, lmdb.Error) and os.strerror(errno.ENOMEM) in str(exc)
+        return exc.errno == code
+    return isinstance(exc, lmdb.Error) and os.strerror(code) in str(exc)
 
 
 def not_damage(exc: BaseException, where: Path | None = None) -> str | None:
@@ -73,24 +73,14 @@ def not_damage(exc: BaseException, where: Path | None = None) -> str | None:
     "full": LMDB reports a write the full disk cut short as EIO, not ENOSPC."""
     if isinstance(exc, lmdb.DiskError | lmdb.MapFullError):
         return "full"
-    if where is not None and _is_eio(exc) and _nearly_full(where):
+    if where is not None and _reports(exc, errno.EIO) and _nearly_full(where):
         return "full"
-    if _out_of_memory(exc) and _address_space_limit() is not None:
+    if ((isinstance(exc, lmdb.MemoryError | MemoryError) or _reports(exc, errno.ENOMEM))
+            and _address_space_limit() is not None):
         return "address-space"
     if isinstance(exc, lmdb.ReadonlyError):
         return "access"
-    if isinstance(exc, OSError) and exc.errno in _NOT_DAMAGE:
-        return _NOT_DAMAGE[exc.errno]
-    if isinstance(exc, lmdb.Error):
-        text = str(exc)
-        return next((kind for code, kind in _NOT_DAMAGE.items() if os.strerror(code) in text), None)
-    return None
-
-
-def _is_eio(exc: BaseException) -> bool:
-    if isinstance(exc, OSError):
-        return exc.errno == errno.EIO
-    return isinstance(exc, lmdb.Error) and os.strerror(errno.EIO) in str(exc)
+    return next((kind for code, kind in _NOT_DAMAGE.items() if _reports(exc, code)), None)
 
 
 def _nearly_full(where: Path) -> bool:

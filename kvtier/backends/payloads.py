@@ -8,6 +8,9 @@ them visible, removals after the commit that hides them.
 from __future__ import annotations
 
 import abc
+import errno
+import os
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +23,18 @@ from kvtier.codec import MAX_HEADER_BYTES, RecordReader, decode_header
 from kvtier.errors import RecordError, RecordTooLarge
 
 T = TypeVar("T")
+
+
+def open_regular_file(path: str | os.PathLike[str], *, follow_links: bool = False) -> int:
+    """``path`` opened for reading, refusing anything but a regular file. A store prepared by
+    someone else must not hang a read (a FIFO in a file's place: ``O_NONBLOCK`` opens it
+    without waiting, and means nothing for a file) nor, unless ``follow_links``, lead it out
+    of the store (``O_NOFOLLOW``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
 
 
 @dataclass(frozen=True)

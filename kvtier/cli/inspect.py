@@ -102,13 +102,14 @@ def _lora_identity(value: str | None) -> str | None:
     fingerprinted as the vLLM connector does; anything else is taken as it is."""
     if value is None:
         return None
-    if not Path(value).expanduser().exists():
+    where = Path(value).expanduser()
+    if not where.exists():
         if "/" in value:  # meant as the adapter's directory: a name has no slash
             raise UsageError(f"--lora: no such file or directory: {value}; give the directory the "
                              "server loaded the adapter from (or its sha256:... fingerprint)")
         return value
     try:
-        return weights_fingerprint(Path(value).expanduser())
+        return weights_fingerprint(where)
     except (FileNotFoundError, OSError) as exc:
         raise UsageError(f"--lora: cannot fingerprint the adapter at {value} ({exc}); give the "
                          "directory the server loaded it from") from None

@@ -64,16 +64,13 @@ def _store_of(args: argparse.Namespace) -> str:
     return str(getattr(args, "store", None) or "the cache's store")
 
 
-def _is_full(exc: BaseException, where: Path | None) -> bool:
-    return not_damage(exc, where) == "full"
-
-
 def _no_space(args: argparse.Namespace, exc: BaseException) -> str | None:
     """The message for an error that is (or was raised because of) a full file system."""
     seen: set[int] = set()
+    where = Path(args.store).expanduser() if getattr(args, "store", None) else None
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:  # also under a wrapper ('from None')
-        if _is_full(cause, Path(args.store).expanduser() if getattr(args, "store", None) else None):
+        if not_damage(cause, where) == "full":
             if getattr(args, "command", None) == "compact":
                 advice = "free space (compact writes a copy of the data in use), then retry"
             else:

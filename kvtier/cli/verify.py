@@ -88,9 +88,8 @@ def _status(backend: Backend, entry: EntryInfo) -> tuple[str, str, int]:
         header = backend.read_entry(entry, lambda view: check_record(backend, entry.key, view))
     except RECORD_PROBLEMS as exc:
         return (*problem(exc), 0)
-    if header is None:
-        now = backend.lookup(entry.key)  # evicted or rewritten meanwhile: gone; else lost
-        if now is not None and now.location == entry.location:
+    if header is None:  # evicted or replaced meanwhile: gone; else its file was removed
+        if backend.still_names(entry):
             return "missing", "the index names a record file that is not there (removed by hand?)", 0
         return "gone", "", 0
     return "ok", "", header.record_len

@@ -45,8 +45,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     loads_started: int = 0
     # the keys of the chunks the last lookup found stored on every rank: their saves are
-    # skipped (the worker then reads no index on the model's thread); None: not looked up
-    stored: set[tuple[bytes, ...]] | None = None
+    # skipped (the worker then reads no index on the model's thread)
+    stored: set[tuple[bytes, ...]] = field(default_factory=set)
 
     @property
     def full(self) -> list[RankedChunk]:
@@ -226,7 +226,7 @@ class SchedulerSide:
             parent = st.to_save[st.next_save - 2].keys if st.next_save >= 2 else ()
             meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
                                        st.block_ids[c.start // bs : c.end // bs], parent, _head(st, c),
-                                       stored=st.stored is not None and c.keys in st.stored))
+                                       stored=c.keys in st.stored))
 
     def request_finished(self, request: Any) -> bool:
         """Forget the request. Never holds its blocks: the worker's copies of a step's saves

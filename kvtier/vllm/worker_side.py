@@ -33,7 +33,7 @@ from queue import Empty, Queue
 import torch
 
 from kvtier.keys import Namespace
-from kvtier.store import ChunkStore, Outcome
+from kvtier.store import ChunkStore, Loaded, Outcome
 from kvtier.vllm.device import CopyStream, IndexRing, StepIndex
 from kvtier.vllm.layout import Content, blocks_view, gather_blocks, scatter_blocks
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
@@ -395,38 +395,39 @@ class WorkerSide:
         thread they would fight the worker's OpenMP threads for the same cores.
         """
         t0 = time.perf_counter()
-        want = (len(self.views), 2)
         # every chunk is read and verified, in parallel on the store's I/O pool, even past a
         # bad one (unused then: the prefix is broken), so corrupt records are found and
         # removed now and the recomputed KV replaces them
         results = self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks], ahead)
         for i, chunk in enumerate(spec.chunks):  # (no zip: its reused tuple would keep a chunk)
             loaded = next(results)
-            data = loaded.tensor
-            ok = (data is not None and tuple(data.shape) == (*want, chunk.num_tokens, self.heads, self.head_dim)
-                  and data.dtype == self.dtype)
-            if not ok:
-                if data is not None:  # a record this rank read and cannot use: replaced
-                    self._refute(chunk, replace=True)
-                elif loaded.outcome in _NOT_STORED:  # (not an I/O error: kept)
-                    self._refute(chunk)
+            if not self._usable(chunk, loaded):
                 for rest in spec.chunks[i:]:
                     res.failed_blocks.extend(rest.block_ids)
                 for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
-                    if later.outcome in _NOT_STORED:
-                        self._refute(rest)
+                    self._usable(rest, later)
                     del later
                 break
-            deliver((chunk, data))
-            del data, loaded  # handed over: not kept while the next chunk is read
+            deliver((chunk, loaded.tensor))  # type: ignore[arg-type]
+            del loaded  # handed over: not kept while the next chunk is read
         res.seconds = time.perf_counter() - t0
         return res
 
-    def _refute(self, chunk: ChunkLoad, *, replace: bool = False) -> None:
-        """(Any thread.) ``chunk`` is not stored in a form this rank can load (missing,
-        corrupt, the wrong shape): save it when it is recomputed. ``replace``: the stored
-        record is one this rank read and cannot use (else what is stored by then is another
-        writer's copy, which a reader may be loading: kept)."""
+    def _usable(self, chunk: ChunkLoad, loaded: Loaded) -> bool:
+        """(Any thread.) Whether ``loaded`` is ``chunk``'s KV in this rank's shape and dtype.
+        If not, and the chunk is not stored in a form this rank can load (missing, corrupt,
+        the wrong shape), it is saved when recomputed (``_refuted``); a record this rank read
+        and cannot use is then replaced (else what is stored by then is another writer's
+        copy, which a reader may be loading: kept)."""
+        data = loaded.tensor
+        if data is not None and data.dtype == self.dtype \
+                and tuple(data.shape) == (len(self.views), 2, chunk.num_tokens, self.heads, self.head_dim):
+            return True
+        if data is not None or loaded.outcome in _NOT_STORED:  # (not an I/O error: kept)
+            self._refute(chunk, replace=data is not None)
+        return False
+
+    def _refute(self, chunk: ChunkLoad, *, replace: bool) -> None:
         self._refuted[chunk.keys[self.rank]] = replace
         while len(self._refuted) > REFUTED_MAX:  # (one whose save never came)
             with contextlib.suppress(KeyError, RuntimeError, StopIteration):
