@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -120,9 +121,34 @@ def ratio(raw: int, stored: int) -> float | None:
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad command line is one line on stderr (and exit status 2)."""
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)
+        ns, extras = super().parse_known_args(args, namespace)
+        # argparse settles an optional positional (nargs='?') as soon as it meets the one
+        # before it: in 'inspect STORE --salt x KEY', KEY was left unset and 'KEY' unknown.
+        # Such a positional takes the first leftover that is not an option.
+        for action in self._actions:
+            if action.nargs == "?" and not action.option_strings and getattr(ns, action.dest, None) is None:
+                at = next((i for i, a in enumerate(extras) if not a.startswith("-")), None)
+                if at is None:
+                    break
+                setattr(ns, action.dest, extras.pop(at))
+        return ns, extras
+
     def error(self, message: str, *, where: str | None = None) -> Any:  # argparse's says NoReturn
-        sys.stderr.write(f"kvtier: error: {message} (see '{where or self.prog} --help')\n")
+        sys.stderr.write(f"kvtier: error: {self._explain(message)} (see '{where or self.prog} --help')\n")
         raise SystemExit(2)
+
+    def _explain(self, message: str) -> str:
+        """argparse reads a negative value ('--max-bytes -5G') as an option and says the
+        option has no value: say what is wrong with the value instead."""
+        m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        argv = getattr(self, "_argv", [])
+        if m and m.group(1) in argv:
+            at = argv.index(m.group(1)) + 1
+            if at < len(argv) and re.match(r"-\.?\d", argv[at]):
+                return f"argument {m.group(1)}: {argv[at]!r} is negative; give a value of 0 or more"
+        return message
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
         # argparse reports a subcommand's unknown option from the top parser: point to the

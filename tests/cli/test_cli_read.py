@@ -103,6 +103,9 @@ def test_read_commands(backend: str, built_stores: dict[str, Built], tmp_path: P
     assert r.returncode == 0 and r.stderr == ""
     assert key.hex() in r.stdout and "ok (checksum verified)" in r.stdout
     assert "[2, 2, 64, 4, 32] bfloat16" in r.stdout
+    # the key after an option is still the key (argparse would call it unrecognized)
+    r2 = run_main(capsys, "inspect", b.path, "--json", key.hex()[:10])
+    assert r2.returncode == 0 and json.loads(r2.stdout)["key"] == key.hex(), r2
     r = run_main(capsys, "inspect", b.path, "--tokens", tokens_file, "--model", "tiny-llama", "--salt", "tenant-a")
     assert r.returncode == 0 and "cached prefix: 144 of 150 tokens" in r.stdout
 
