@@ -177,9 +177,11 @@ def add_store_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_namespace_filters(p: argparse.ArgumentParser) -> None:
-    """``--namespace`` and ``--model`` (repeatable), resolved by ``_store.resolve_namespaces``."""
+    """``--namespace`` and ``--model`` (repeatable), resolved by ``_store.resolve_namespaces``:
+    each one given adds to the selection."""
     p.add_argument("--namespace", metavar="HEXPREFIX", action="append",
-                   help="only this namespace (hex id or unique prefix from 'kvtier ls'); repeatable")
+                   help="only this namespace (hex id or unique prefix from 'kvtier ls'); repeatable, "
+                        "and each --namespace or --model adds to the selection")
     p.add_argument("--model", metavar="NAME", action="append", help="only namespaces of this model; repeatable")
 
 
