@@ -121,14 +121,21 @@ def _create_marker(root: Path, backend: str) -> None:
     from kvtier.backends.base import write_json_atomic
 
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    marker = root / MARKER
+    # Another process may be creating this store now: whatever it has put here is its store
+    # once its marker exists (checked again after looking), and of two markers written at
+    # once only the first is kept (exclusive), so two creators with different backends end
+    # with one store, and the loser is refused by read_marker's backend check.
     if any(p.name not in (MARKER, LOCKFILE) and not p.name.startswith(f".{MARKER}") for p in root.iterdir()):
+        if marker.exists():
+            return
         raise StoreError(
             f"{root}: directory is not empty and is not a kvtier store; choose an empty or new directory"
         )
-    write_json_atomic(root / MARKER, {
+    write_json_atomic(marker, {
         "format": "kvtier-store", "layout_version": STORE_LAYOUT_VERSION,
         "backend": backend, "created": time.time(),
-    })
+    }, exclusive=True)
 
 
 class StoreLock:

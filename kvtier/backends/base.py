@@ -10,6 +10,7 @@ callback (a zero-copy LMDB view or a reused buffer): no per-read allocation.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -303,12 +304,28 @@ def _backends_after_fork_in_child() -> None:
 forksafe.register(forksafe.BACKEND, after_in_child=_backends_after_fork_in_child)
 
 
-def write_json_atomic(path: Path, data: dict[str, object]) -> None:
-    """Write a small JSON file atomically (temp file, fsync, rename), owner-only."""
+def write_json_atomic(path: Path, data: dict[str, object], *, exclusive: bool = False) -> bool:
+    """Write a small JSON file atomically (temp file, fsync, rename), owner-only. With
+    ``exclusive``, only if ``path`` does not exist yet (a hard link cannot replace a file:
+    of two processes creating it at once, one wins and the other's is never seen); returns
+    whether this call wrote it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+    if exclusive:
+        try:
+            os.link(tmp, path)
+            os.unlink(tmp)
+            return True
+        except FileExistsError:
+            os.unlink(tmp)
+            return False
+        except OSError as exc:  # a file system without hard links: replace, as before
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.unlink(tmp)
+                raise
     os.replace(tmp, path)
+    return True
