@@ -25,7 +25,7 @@ import torch
 
 from kvtier.codec import dtype_name
 from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, StoreError
 from kvtier.keys import (
     NO_EXTRAS,
     ChunkRef,
@@ -70,6 +70,15 @@ class KVCache:
             store.close(flush=False)  # don't leak threads and the store lock on a bad argument
             raise
 
+    def _open_for(self, what: str, *, writes: bool = False) -> None:
+        """Refuse a call that could only be lost: on a closed cache (it would save nothing
+        and find nothing, silently) or, for a save, on one opened read-only."""
+        if self.store.closed:
+            raise StoreError(f"{self.store.config.path}: cannot {what}: this cache was closed; open it again")
+        if writes and self.store.readonly:
+            raise StoreError(f"{self.store.config.path}: cannot {what}: this cache was opened read-only; "
+                             "open it without readonly=True to save")
+
     # -- keys ----------------------------------------------------------------------
     def _seed(self, extras: RequestExtras) -> bytes:
         return chain_seed(self.namespace, extras)
@@ -81,6 +90,7 @@ class KVCache:
 
     def match(self, tokens: Sequence[int] | np.ndarray, extras: RequestExtras = NO_EXTRAS) -> list[ChunkRef]:
         """The stored chunks covering the longest cached prefix of ``tokens``, in order."""
+        self._open_for("look up")
         arr = as_token_array(tokens)
         seeds = (self._seed(extras),)
         full = ranked_chunk_keys(arr, seeds, self.namespace.chunk_tokens, None)
@@ -105,6 +115,7 @@ class KVCache:
         with ``wait`` (seconds, for this whole call) it waits for the writer to make room
         instead, so an offline caller can save a prompt larger than the queue.
         """
+        self._open_for("save", writes=True)
         arr = as_token_array(tokens)
         self._check_kv(kv, len(arr))
         kv = kv.detach().cpu()
@@ -143,6 +154,9 @@ class KVCache:
         it cannot grow in place (``resize_`` to a larger size raises and leaves that tensor's
         sizes changed: copy it instead).
         """
+        self._open_for("load")
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be 0 or more, got {max_tokens}")
         hits = self.match(tokens, extras)
         if max_tokens is not None:
             hits = [h for h in hits if h.end <= max_tokens]
@@ -171,6 +185,7 @@ class KVCache:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued saves are on the persistent tier."""
+        self._open_for("flush")
         return self.store.flush(timeout)
 
     def stats(self) -> dict[str, object]:

@@ -112,6 +112,10 @@ class CacheConfig:
         self.path = self.path.expanduser()
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"path: {self.path} exists and is not a directory; choose a directory for the store")
+        above = next((p for p in self.path.parents if p.exists()), None)  # (the nearest that exists)
+        if above is not None and not above.is_dir():
+            raise ConfigError(f"path: {self.path} is under {above}, which is not a directory; "
+                              "choose a directory for the store")
         if "backend" not in self.chosen:
             self.backend = _store_backend(self.path) or self.backend
         _choice("backend", self.backend, BACKENDS)

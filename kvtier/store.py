@@ -786,6 +786,10 @@ class ChunkStore:
             "queued_bytes": queued, "disk_records": records, "disk_bytes": nbytes,
         }
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, flush: bool = True, timeout: float | None = None) -> None:
         """Commit what is queued (unless ``flush=False``), then release threads and files.
 

@@ -120,6 +120,9 @@ def _read_small_file(path: Path, limit: int = 1 << 20) -> str:
 def _create_marker(root: Path, backend: str) -> None:
     from kvtier.backends.base import write_json_atomic
 
+    outer = next((p for p in root.parents if (p / MARKER).exists()), None)
+    if outer is not None:  # its sweeps and evictions would see this store's files as its own
+        raise StoreError(f"{root}: inside the kvtier store at {outer}; put a new store outside any other")
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     marker = root / MARKER
     # Another process may be creating this store now: whatever it has put here is its store

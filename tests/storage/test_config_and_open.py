@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvhelpers import CHUNK, config, make_kv, namespace, open_cache, tokens
+from kvhelpers import CHUNK, TAIL, config, make_kv, namespace, open_cache, tokens
 
 from kvtier import CacheConfig, ChunkStore, KVCache
 from kvtier.backends import MARKER, StoreLock, stored_config
@@ -60,6 +60,41 @@ def test_path_that_is_a_file(tmp_path: Path) -> None:
     assert str(f) in str(exc.value)
     with pytest.raises(ConfigError, match="path"):
         CacheConfig.from_dict({"path": str(f)})
+    with pytest.raises(ConfigError, match="which is not a directory") as exc:  # (was NotADirectoryError)
+        KVCache.open(f / "cache", namespace(), config(f / "cache"))
+    assert str(f) in str(exc.value)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_a_new_store_inside_another_is_refused(tmp_path: Path, backend: str) -> None:
+    """A store created in another's directory tree (say, its record directory) would have its
+    files swept and evicted as the outer store's: refused, and nothing is created."""
+    outer = tmp_path / "outer"
+    _save_one(outer, backend)
+    inner = outer / backend / "mine"
+    with pytest.raises(StoreError, match="inside the kvtier store at") as exc:
+        KVCache.open(inner, namespace(), config(inner, backend))
+    assert str(outer) in str(exc.value) and not inner.exists()
+
+
+def test_a_closed_or_read_only_cache_refuses_what_it_would_lose(tmp_path: Path) -> None:
+    """A save into a closed or read-only cache used to return 0 and a flush True, with
+    nothing stored; lookups after close found nothing. Each now says why."""
+    path = tmp_path / "s"
+    _save_one(path, "files")
+    toks = tokens(0, CHUNK)
+    with KVCache.open(path, namespace(), config(path, "files"), tail_granularity=TAIL, readonly=True) as ro:
+        assert ro.lookup(toks) == CHUNK  # reading is what read-only is for
+        with pytest.raises(StoreError, match="opened read-only"):
+            ro.save(tokens(1, CHUNK), make_kv(tokens(1, CHUNK)))
+    cache = open_cache(path, "files")
+    cache.close()
+    for call in (lambda: cache.save(toks, make_kv(toks)), cache.flush, lambda: cache.lookup(toks),
+                 lambda: cache.load(toks)):
+        with pytest.raises(StoreError, match="this cache was closed"):
+            call()
+    with open_cache(path, "files") as cache, pytest.raises(ValueError, match="max_tokens"):
+        cache.load(toks, max_tokens=-1)
 
 
 def test_unknown_key_in_from_dict_names_it_and_suggests(tmp_path: Path) -> None:
