@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from kvtier.backends import open_shared
+from kvtier.backends.index import Lease
 from kvtier.config import CacheConfig
 from kvtier.metrics import Counters
 from kvtier.remote import open_remote
@@ -49,16 +50,23 @@ class StoreView:
             n += self.remote.count_present_prefix([k for _, k in spans[n:]])
         return n
 
-    def lease(self, keys: Sequence[bytes], seconds: float) -> bool:
+    def lease(self, keys: Sequence[bytes], seconds: float) -> Lease:
         """Keep ``keys``, and the chunks they extend, from eviction for ``seconds`` (the
-        loads promised to vLLM). False if the lease could not be written: the load may then
-        find a chunk evicted, which is a recompute, not an error."""
+        loads promised to vLLM), or until :meth:`release`. Empty if the lease could not be
+        written: the load may then find a chunk evicted, which is a recompute, not an error."""
         try:
-            self.backend.lease(keys, seconds)
-            return True
+            return self.backend.lease(keys, seconds)
         except Exception as exc:
             log.warning("kvtier: could not lease chunks for a load (%s)", exc)
-            return False
+            return {}
+
+    def release(self, held: Lease) -> None:
+        """End a lease whose load is done (else it holds until it expires: eviction would
+        take fresher chunks instead)."""
+        try:
+            self.backend.release(held)
+        except Exception as exc:
+            log.warning("kvtier: could not release a load's lease (%s); it expires by itself", exc)
 
     def register_namespace(self, namespace_id: bytes, description: dict[str, object]) -> None:
         self.backend.register_namespace(namespace_id, description)

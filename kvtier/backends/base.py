@@ -30,6 +30,7 @@ from kvtier.backends.index import (
     NO_KEY,
     ORPHAN_GRACE_S,
     EntryInfo,
+    Lease,
     StoreIndex,
     budget_of,
     iter_unreferenced,
@@ -168,11 +169,17 @@ class Backend:
         if keys and not self.readonly:
             self.index.touch(keys, now_ns)
 
-    def lease(self, keys: Iterable[bytes], seconds: float) -> None:
-        """Keep ``keys`` (and what they extend) from eviction for ``seconds``: a load was promised."""
+    def lease(self, keys: Iterable[bytes], seconds: float) -> Lease:
+        """Keep ``keys`` (and what they extend) from eviction for ``seconds``, or until
+        :meth:`release`: a load was promised."""
         keys = list(keys)
         if keys and not self.readonly:
-            self.index.lease(keys, seconds)
+            return self.index.lease(keys, seconds)
+        return {}
+
+    def release(self, held: Lease) -> None:
+        if held and not self.readonly:
+            self.index.release(held)
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove records; return the record bytes freed."""

@@ -65,6 +65,8 @@ _DBS = ((b"entries", False), (b"chains", False), (b"lru", False), (b"children", 
         (b"groups", True), (b"info", False), (b"namespaces", False))
 # Address space for the index map (it holds ~0.4 KiB per chunk; the file grows with use).
 _INDEX_MAP = 64 << 30
+# A lease taken: key -> (the lease_until_ns it set, the one it replaced), for its release.
+Lease = dict[bytes, tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -421,17 +423,32 @@ class StoreIndex:
                 if e is not None and e.atime_ns != now_ns:
                     self._restamp(txn, e, replace(e, atime_ns=now_ns))
 
-    def lease(self, keys: Iterable[bytes], seconds: float) -> None:
+    def lease(self, keys: Iterable[bytes], seconds: float) -> Lease:
         """Promise ``keys`` to a load: eviction skips them (and every chunk they extend)
-        until the lease expires. Leases are times, so a holder that dies frees them."""
+        until the lease expires or is released. Leases are times, so a holder that dies
+        frees them. Returns what :meth:`release` needs to undo exactly this lease."""
         now = time.time_ns()
         until = now + int(seconds * 1e9)
+        held: Lease = {}
         with self._write() as txn:
             for k in keys:
                 e = self._get(txn, k)
                 if e is not None:
+                    if until > e.lease_until_ns:
+                        held[k] = (until, e.lease_until_ns)
                     self._restamp(txn, e, replace(e, atime_ns=max(now, e.atime_ns),
                                                   lease_until_ns=max(until, e.lease_until_ns)))
+        return held
+
+    def release(self, held: Lease) -> None:
+        """End a lease once its load is done: each key's lease goes back to what it was
+        before, unless another process has leased the key since (its longer lease stays;
+        an earlier holder's lease, restored here, runs to its own end)."""
+        with self._write() as txn:
+            for k, (mine, before) in held.items():
+                e = self._get(txn, k)
+                if e is not None and e.lease_until_ns == mine:
+                    self._restamp(txn, e, replace(e, lease_until_ns=before))
 
     def evict(self, target_bytes: int) -> list[EntryInfo]:
         """Evict until at most ``target_bytes`` are occupied; the evicted entries."""

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier")
@@ -377,6 +378,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None:
             return KVTierMetadata()
         return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._sched is not None:
+            try:
+                self._sched.loads_finished(connector_output.finished_recving or ())
+            except Exception as exc:  # (a lease not released expires by itself)
+                log.warning("kvtier: releasing finished loads failed: %s", exc)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is None:

@@ -8,11 +8,14 @@ and kept until it finishes. A hit requires every tensor-parallel rank's chunk.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from kvtier.backends.index import Lease
 from kvtier.keys import (
     Namespace,
     RankedChunk,
@@ -88,6 +91,10 @@ class SchedulerSide:
         self._plans: dict[str, tuple[int, list[tuple[RankedChunk, int]]]] = {}
         self._loads: list[LoadSpec] = []
         self._uses: list[tuple[bytes, ...]] = []
+        # req -> the lease on the last chunk promised to its load: (keys, when, lease)
+        self._leases: dict[str, tuple[tuple[bytes, ...], float, Lease]] = {}
+        # req -> steps it must still be scheduled before its synchronous load is surely done
+        self._sync_loading: dict[str, int] = {}
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -163,7 +170,7 @@ class SchedulerSide:
         # Lease the last chunk promised, on every rank: eviction keeps it and everything it
         # extends (its chain's head) until the load is done.
         if plan:
-            self.store.lease(plan[-1][0].keys, LOAD_LEASE_S)
+            self._lease(request.request_id, plan[-1][0].keys)
         self._plans[request.request_id] = (num_computed_tokens, plan)
         self.hit_tokens += end - num_computed_tokens
         return end - num_computed_tokens, self.load_async
@@ -171,6 +178,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         planned = self._plans.pop(request.request_id, None)
         if num_external_tokens <= 0 or planned is None:
+            self._release(request.request_id)  # vLLM loads nothing after all
             return
         load_start, plan = planned
         st = self._reqs.get(request.request_id)
@@ -187,6 +195,10 @@ class SchedulerSide:
             chunks.append(ChunkLoad(c.keys, c.start, c.end - c.start, (begin - c.start) // bs,
                                     block_ids[begin // bs : end // bs]))
         self._loads.append(LoadSpec(request.request_id, chunks, sync=not self.load_async))
+        if not self.load_async:
+            # read during the step that first runs the request; with asynchronous scheduling
+            # the step after it is planned while that one runs
+            self._sync_loading[request.request_id] = 2
 
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads, namespace_ids=self.namespace_ids, uses=self._uses)
@@ -208,6 +220,10 @@ class SchedulerSide:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
+            if req_id in self._sync_loading:
+                self._sync_loading[req_id] -= 1
+                if not self._sync_loading[req_id]:
+                    self._release(req_id)
             before = cached.num_computed_tokens[i]
             _rewind(st, before)
             self._plan_saves(req_id, st, before + so.num_scheduled_tokens.get(req_id, 0), meta)
@@ -234,4 +250,26 @@ class SchedulerSide:
         and the write to disk continues from those host buffers."""
         self._plans.pop(request.request_id, None)
         self._reqs.pop(request.request_id, None)
+        self._release(request.request_id)
         return False
+
+    def loads_finished(self, req_ids: Iterable[str]) -> None:
+        """vLLM reports these requests' asynchronous loads done: their leases can go."""
+        for req_id in req_ids:
+            self._release(req_id)
+
+    def _lease(self, req_id: str, keys: tuple[bytes, ...]) -> None:
+        old = self._leases.get(req_id)
+        if old is not None and old[0] == keys and time.monotonic() - old[1] < LOAD_LEASE_S / 2:
+            return  # asked again while it waits for blocks: its lease still holds
+        self._leases[req_id] = (keys, time.monotonic(), self.store.lease(keys, LOAD_LEASE_S))
+        if old is not None:  # (after the new one is in place: no moment without a lease)
+            self.store.release(old[2])
+
+    def _release(self, req_id: str) -> None:
+        """The request's load is over (done, failed, or never to happen): end its lease, so
+        that the chunks it promised are evicted in LRU order again, not kept for minutes."""
+        self._sync_loading.pop(req_id, None)
+        held = self._leases.pop(req_id, None)
+        if held is not None:
+            self.store.release(held[2])

@@ -115,21 +115,34 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
         spans = [(c.start, c.key) for c in cache.chunks(TOKS)]
         view = StoreView(config(store, backend))
         try:
-            assert view.lease(keys[-1:], 60.0)
+            mine = view.lease(keys[-1:], 60.0)
+            assert mine
             rep = zygote.request("call", fn="evict_store",
                                  kwargs={"path": str(store), "backend": backend, "target_bytes": 0})
             assert rep["evicted"] == 2, rep  # only the unleased prompt
             assert view.count_present_chain(keys[0], spans) == 6
-            assert view.lease(keys[-1:], 0.0)  # a lease only ever grows: this changes nothing
+            assert view.lease(keys[-1:], 0.0) == {}  # a lease only ever grows: this changes nothing
             assert zygote.request("call", fn="evict_store", kwargs={
                 "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
+            # Another load of the prompt (a second server) leases it too: ending the first
+            # lease leaves the second's in force; once both have ended, eviction takes it.
+            second = view.lease(keys[-1:], 90.0)
+            view.release(mine)
+            assert zygote.request("call", fn="evict_store", kwargs={
+                "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
+            view.release(second)
+            view.release(mine)
+            assert zygote.request("call", fn="evict_store", kwargs={
+                "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 6
         finally:
             view.close()
         # a lease is a time: once it has passed, the chain can go
         b = cache.store.backend
         short = [c.key for c in cache.chunks(other)]
+        cache.save(TOKS, make_kv(TOKS))
         cache.save(other, make_kv(other))
         assert cache.flush(30)
+        b.lease(keys[-1:], 60.0)
         b.lease(short[-1:], 0.05)
         time.sleep(0.1)
         assert b.evict_lru(b.occupied() - 2 * (b.occupied() // 8))[0] == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 from enginehelpers import tokens
@@ -75,3 +76,36 @@ def test_lmdb_backend_restart(tiny_model: Path, store_dir: Path) -> None:
     assert outs[0].tokens == outs[1].tokens == base.tokens
     assert store_dir.joinpath("lmdb", "data.mdb").stat().st_size > 0 and not store_dir.joinpath("files").exists()
     shutil.rmtree(store_dir)
+
+
+def _leased(e: Engine) -> int:
+    now = time.time_ns()
+    return sum(1 for x in e.worker_connector._store.backend.entries() if x.lease_until_ns > now)
+
+
+def test_a_loads_lease_ends_when_the_load_is_done(tiny_model: Path, store_dir: Path) -> None:
+    """A hit leases the chunks promised to its load so that no process evicts them before
+    they are read; once read, the lease ends (it used to hold for 120 s, the request's end
+    and the server's exit included, so eviction took freshly saved chunks instead)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    p = tokens(600, seed=40)
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        e.generate([p], max_tokens=2)
+        e.worker_connector._store.flush()
+    for load_async in (True, False):
+        with Engine(tiny_model, kv_transfer_config(store_dir, load_async=load_async)) as e:
+            engine = e.llm.llm_engine
+            engine.add_request("r", TokensPrompt(prompt_token_ids=p),
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, detokenize=False))
+            steps = 0
+            while not any(len(o.outputs[0].token_ids) >= 4 for o in engine.step()):
+                steps += 1
+                assert steps < 40
+            # the load is done, the request still decoding: nothing is leased any more
+            assert e.scheduler_connector._sched.hit_tokens == 576
+            assert _leased(e) == 0, f"load_async={load_async}: a finished load still holds its lease"
+            engine.abort_request(["r"])
+            e.generate([tokens(300, seed=41)], max_tokens=1)  # ends with a lookup, a miss
+            assert _leased(e) == 0
