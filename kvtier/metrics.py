@@ -15,6 +15,9 @@ class Counters:
     saves_queued: int = 0
     saves_committed: int = 0
     saves_duplicate: int = 0  # written, but the key was stored already: that copy was kept
+    # written, but the chunk it extends was gone by its commit (evicted meanwhile): left out,
+    # since a lookup, which walks a prompt's chunks from its first, could never reach it
+    saves_unreachable: int = 0
     bytes_saved: int = 0
     dropped_saves: int = 0
     corrupt_records: int = 0

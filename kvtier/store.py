@@ -410,9 +410,10 @@ class ChunkStore:
             self.counters.add(dropped_saves=len(res.failed), io_errors=1)
             self._warn.warning("save", "kvtier: %d of %d chunks could not be written (%s); they stay "
                                "uncached", len(res.failed), len(batch), str(res.failed[0][1]))
-        self.counters.add(saves_committed=len(res.stored) - len(res.left_out),
-                          bytes_saved=sum(i.size for i in res.stored) - sum(e.size for e in res.left_out),
-                          saves_duplicate=len(res.left_out),
+        kept_out = res.left_out + res.unreachable
+        self.counters.add(saves_committed=len(res.stored) - len(kept_out),
+                          bytes_saved=sum(i.size for i in res.stored) - sum(e.size for e in kept_out),
+                          saves_duplicate=len(res.left_out), saves_unreachable=len(res.unreachable),
                           evicted_disk=len(res.evicted), evicted_disk_bytes=res.evicted_bytes)
 
     def _register_writer(self) -> None:

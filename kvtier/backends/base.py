@@ -64,6 +64,8 @@ class PutResult:
     evicted: list[EntryInfo]
     # of ``stored``: keys stored already, whose copies were left out (see StoreIndex.publish)
     left_out: list[EntryInfo] = field(default_factory=list)
+    # of ``stored``: chunks whose parent was gone by the commit, left out (StoreIndex.publish)
+    unreachable: list[EntryInfo] = field(default_factory=list)
 
     @property
     def evicted_bytes(self) -> int:
@@ -125,8 +127,8 @@ class Backend:
             except Exception as exc:
                 self._remove_payloads(new)  # never published: nobody can see them
                 raise OSError(f"index commit failed: {exc}") from exc
-            self._remove_payloads(done.replaced + done.evicted + done.left_out)
-        return PutResult([it for it, _ in ok], failed, room + done.evicted, done.left_out)
+            self._remove_payloads(done.replaced + done.evicted + done.left_out + done.unreachable)
+        return PutResult([it for it, _ in ok], failed, room + done.evicted, done.left_out, done.unreachable)
 
     def _make_room_on_disk(self, need: int) -> list[EntryInfo]:
         """If the filesystem itself is about to run out (it can fill before the budget does,

@@ -132,6 +132,8 @@ class Published:
     evicted: list[EntryInfo]
     # new entries not published because the key was stored already (see publish)
     left_out: list[EntryInfo] = field(default_factory=list)
+    # new entries not published because the chunk they extend is not stored (see publish)
+    unreachable: list[EntryInfo] = field(default_factory=list)
 
 
 _PID_MASK = (1 << 22) - 1
@@ -369,15 +371,25 @@ class StoreIndex:
         A key stored already keeps its record (its content is the same: a key names it) and
         the new copy is left out (``left_out``; its use counts for the LRU): a reader of the
         stored record must not find it removed under it. Keys in ``replacing`` (a writer that
-        could not load the stored record) replace it."""
+        could not load the stored record) replace it.
+
+        An entry whose parent (the chunk it extends) is neither stored nor published before
+        it in ``new`` is left out too (``unreachable``): the parent was evicted, or failed to
+        be written, after the save was planned, and a lookup, which walks a prompt's chunks
+        from its first, could never reach it. Stored, it would outlive its chain (a chain of
+        its own, restamped by every later save of its prompt) and take the budget's room."""
         replaced: list[EntryInfo] = []
         left_out: list[EntryInfo] = []
+        unreachable: list[EntryInfo] = []
         with self._write() as txn:
             budget = budget_of(_json_object(txn.get(_SETTINGS_KEY, db=self._info)), default_budget)
             tot = self._totals(txn)
             for e in new:
+                up = self._get(txn, e.parent) if e.parent != NO_KEY else None
+                if e.parent != NO_KEY and up is None:
+                    unreachable.append(e)
+                    continue
                 if e.head == NO_KEY:  # not given: the parent's head, or a chain of its own
-                    up = self._get(txn, e.parent) if e.parent != NO_KEY else None
                     e = replace(e, head=up.head if up is not None and up.head != NO_KEY else
                                 (up.key if up is not None else e.key))
                 old = self._get(txn, e.key)
@@ -398,7 +410,7 @@ class StoreIndex:
             if budget is not None and tot.occupied > budget:
                 evicted = self._evict_in(txn, int(budget * low_watermark), tot, time.time_ns())
             self._put_totals(txn, tot)
-        return Published(replaced, evicted, left_out)
+        return Published(replaced, evicted, left_out, unreachable)
 
     def remove(self, keys: Iterable[bytes], locations: Sequence[int] | None = None) -> list[EntryInfo]:
         """Drop entries (with ``locations``: only those still at that location, so a newer

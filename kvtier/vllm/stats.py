@@ -33,6 +33,8 @@ PROM_COUNTERS = {
     "store_bytes_saved": "Bytes committed to the persistent tier",
     "store_saves_duplicate": "Chunks written but left out because another copy was stored meanwhile "
                              "(two servers computing the same prefix)",
+    "store_saves_unreachable": "Chunks written but left out because the chunk they extend was evicted "
+                               "before their commit (no lookup could reach them)",
     "store_dropped_saves": "Saves dropped (queue full, disk full, I/O error)",
     "store_corrupt_records": "Records that failed verification (served as misses)",
     "store_evicted_disk": "Records evicted from the persistent tier",

@@ -73,6 +73,32 @@ def _key(name: str) -> bytes:
     return name.encode().ljust(32, b".")
 
 
+def test_a_chunk_whose_parent_is_gone_by_its_commit_is_left_out(tmp_path: Path, backend: str) -> None:
+    """A save planned while the chunk it extends was stored, committed after that chunk was
+    evicted, could never be found (a lookup walks a prompt's chunks from its first): it is
+    left out and its payload removed, instead of outliving its chain as a chain of its own
+    (the engine audit found such chunks holding a small budget while their prompts missed)."""
+    with ChunkStore(config(tmp_path / "s", backend)) as store:
+        b = store.backend
+        a0, a1, a2, gone = (_key(n) for n in ("a0", "a1", "a2", "gone"))
+        res = b.put_many([_item(a1, 1, parent=gone), _item(a0, 0), _item(a2, 2, parent=a1)])
+        assert [e.key for e in res.unreachable] == [a1, a2]  # a2 extends a1, which is left out too
+        assert b.present_each([a0, a1, a2]) == [True, False, False]
+        assert b.usage()[0] == 1
+        # with its parent stored (or published before it in the same commit) it is kept
+        res = b.put_many([_item(a1, 1, parent=a0), _item(a2, 2, parent=a1)])
+        assert res.unreachable == [] and b.present_each([a0, a1, a2]) == [True, True, True]
+    if backend == "files":  # no payload file was left behind for the chunks left out
+        assert len(list((tmp_path / "s" / "files").rglob("*.kvt"))) == 3
+    with ChunkStore(config(tmp_path / "s", backend)) as store:  # through the write queue: counted
+        kv = make_kv(tokens(7, CHUNK))
+        assert store.put(_key("late"), kv, namespace_id=bytes(16), token_start=CHUNK, num_tokens=CHUNK,
+                         parent=gone, head=a0)
+        assert store.flush(30)
+        st = store.stats()
+        assert st["saves_unreachable"] == 1 and st["saves_committed"] == 0 and st["disk_records"] == 3
+
+
 def test_eviction_keeps_chains_and_rank_tuples_whole(tmp_path: Path, backend: str) -> None:
     """LRU alone would evict a chain's old head and strand its newer tail, or split a chunk's
     ranks; the index evicts a tail before its head and every rank of a chunk together."""
