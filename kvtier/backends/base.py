@@ -184,10 +184,10 @@ class Backend:
             self.index.release(held)
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove records; return the record bytes freed."""
+        """Remove records; return the bytes they occupied on disk (what ``disk_bytes`` counts)."""
         gone = self.index.remove(list(keys))
         self._remove_payloads(gone)
-        return sum(e.size for e in gone)
+        return sum(e.occupied for e in gone)
 
     def delete_entry(self, entry: EntryInfo) -> bool:
         """Remove exactly this version of a record (a newer one written meanwhile stays)."""

@@ -156,7 +156,7 @@ def snapshot(backend: Backend) -> list[EntryInfo]:
 
 
 def delete_in_batches(backend: Backend, keys: list[bytes]) -> int:
-    """Delete ``keys`` in short write transactions; the record bytes freed."""
+    """Delete ``keys`` in short write transactions; the bytes freed on disk (occupied)."""
     return sum(backend.delete(keys[i : i + BATCH]) for i in range(0, len(keys), BATCH))
 
 

@@ -38,7 +38,8 @@ examples:
 Say what to remove with --max-bytes and/or --older-than, or --all; --namespace and --model
 narrow any of them to some namespaces (then --max-bytes is the budget of those namespaces
 together). Order is least recently used first (last save or load), as of the start of the
-command. Sizes are record bytes, as the store counts them against its disk_bytes budget.
+command. Sizes are the bytes records occupy on disk (whole blocks of a file, whole pages of
+LMDB), as the store counts them against its disk_bytes budget ('kvtier stats': occupied).
 Runs safely beside a server: deletions go in short write transactions; a chunk evicted is
 just a miss (recomputed) the next time it is asked for.
 There is no --salt: a request's cache_salt (and LoRA adapter) is hashed into its chunk keys
@@ -73,11 +74,11 @@ def choose(entries: list[EntryInfo], *, max_bytes: int | None, older_than: float
         victims = [e for e in lru if e.atime_ns < cutoff]
         kept = [e for e in lru if e.atime_ns >= cutoff]
     if max_bytes is not None:
-        total = sum(e.size for e in kept)
+        total = sum(e.occupied for e in kept)
         i = 0
         while total > max_bytes and i < len(kept):
             victims.append(kept[i])
-            total -= kept[i].size
+            total -= kept[i].occupied
             i += 1
     return victims
 
@@ -101,14 +102,14 @@ def run(args: argparse.Namespace) -> int:
         freed = 0 if args.dry_run else delete_in_batches(st.backend, [e.key for e in victims])
         removed = 0 if args.dry_run else len(victims)
         root = str(st.root)
-    victim_bytes = sum(e.size for e in victims)
-    store_bytes = sum(e.size for e in entries)
-    selected_bytes = sum(e.size for e in selected)
+    victim_bytes = sum(e.occupied for e in victims)
+    store_bytes = sum(e.occupied for e in entries)
+    selected_bytes = sum(e.occupied for e in selected)
     per_ns: dict[bytes, list[int]] = defaultdict(lambda: [0, 0, 0])  # records, bytes, newest use
     for e in victims:
         acc = per_ns[e.namespace_id]
         acc[0] += 1
-        acc[1] += e.size
+        acc[1] += e.occupied
         acc[2] = max(acc[2], e.atime_ns)
     out: dict[str, Any] = {
         "store": root, "dry_run": args.dry_run,

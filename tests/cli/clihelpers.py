@@ -102,10 +102,11 @@ def build_store(path: Path, backend: str, compression: str = "none") -> Built:
 
 
 def entries(path: Path, backend: str) -> dict[bytes, tuple[int, int]]:
-    """key -> (size, last use ns), read in this process through the backend interface."""
+    """key -> (bytes occupied on disk, last use ns), read in this process through the
+    backend interface."""
     b = open_backend(CacheConfig(path=path, backend=backend), readonly=True, create=False)
     try:
-        return {e.key: (e.size, e.atime_ns) for e in b.entries()}
+        return {e.key: (e.occupied, e.atime_ns) for e in b.entries()}
     finally:
         b.close()
 
