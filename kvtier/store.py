@@ -27,7 +27,7 @@ import torch
 
 from kvtier import codec, forksafe
 from kvtier.backends import PutItem, open_shared
-from kvtier.backends.base import EntryInfo, most_recent
+from kvtier.backends.base import EVICT_LOW_WATERMARK, EntryInfo, most_recent
 from kvtier.backends.index import WRITER_BEAT_S
 from kvtier.backends.payloads import ViewReader, oversized
 from kvtier.background import RateLimitedLog, take_batch, wait_while
@@ -431,9 +431,22 @@ class ChunkStore:
         except Exception as exc:  # housekeeping: never fatal
             self._warn.warning("sweep", "kvtier: recording this writer in the index failed: %s", exc)
             return
-        if gone is not None:
-            with contextlib.suppress(RuntimeError):  # closing: the next writer to open sweeps
+        with contextlib.suppress(RuntimeError):  # closing: the next writer to open does these
+            if gone is not None:
                 self._loads.submit(self._sweep_orphans, set(gone))
+            self._loads.submit(self._enforce_budget)
+
+    def _enforce_budget(self) -> None:
+        """Evict down to the store's budget if it is over it: commits evict, but a budget
+        lowered at this open (or by another process) must hold without waiting for the next
+        save, which a server that only loads may never make."""
+        try:
+            budget = self.backend.budget()
+            if self.backend.occupied() > budget:
+                n, nbytes = self.backend.evict_lru(int(budget * EVICT_LOW_WATERMARK))
+                self.counters.add(evicted_disk=n, evicted_disk_bytes=nbytes)
+        except Exception as exc:  # housekeeping: never fatal
+            self._warn.warning("sweep", "kvtier: evicting down to the store's budget failed: %s", exc)
 
     def _sweep_orphans(self, gone_writers: set[int]) -> None:
         try:
