@@ -20,6 +20,7 @@ class Counters:
     saves_unreachable: int = 0
     bytes_saved: int = 0
     dropped_saves: int = 0
+    dropped_disk_full: int = 0  # of those, dropped because the store's file system was full
     corrupt_records: int = 0
     incompatible_records: int = 0
     oversized_records: int = 0  # intact, over this process's max_record_bytes: skipped, kept

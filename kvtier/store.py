@@ -29,6 +29,7 @@ from kvtier import codec, forksafe
 from kvtier.backends import PutItem, open_shared
 from kvtier.backends.base import EVICT_LOW_WATERMARK, EntryInfo, most_recent
 from kvtier.backends.index import WRITER_BEAT_S
+from kvtier.backends.lmdb_check import full_cause
 from kvtier.backends.payloads import ViewReader, oversized
 from kvtier.background import RateLimitedLog, take_batch, wait_while
 from kvtier.buffer_pool import BufferPool, ResultMemory
@@ -386,6 +387,12 @@ class ChunkStore:
                                  p.token_start, p.num_tokens, p.head, record, replace=p.replace))
         return items
 
+    def _count_failed_saves(self, n: int, errors: list[BaseException]) -> None:
+        """``n`` saves dropped for ``errors``: a full file system is not an I/O error (the
+        disk is fine; the operator should free space or lower disk_bytes)."""
+        full = all(full_cause(e, self.config.path) is not None for e in errors)
+        self.counters.add(dropped_saves=n, dropped_disk_full=n if full else 0, io_errors=0 if full else 1)
+
     def _commit(self, batch: list[_Pending], items: list[PutItem]) -> None:
         """Write and publish a prepared batch (on the committer thread)."""
         if self.remote is not None:  # write-behind to the shared tier, from the same bytes
@@ -400,14 +407,14 @@ class ChunkStore:
         try:
             res = self.backend.put_many(items)
         except Exception as exc:  # the index commit failed (disk full, I/O, ...)
-            self.counters.add(dropped_saves=len(batch), io_errors=1)
+            self._count_failed_saves(len(batch), [exc])
             self._warn.warning("save", "kvtier: saving %d chunks failed (%s); they stay uncached",
                                len(batch), str(exc))
             return
         finally:
             items.clear()
         if res.failed:
-            self.counters.add(dropped_saves=len(res.failed), io_errors=1)
+            self._count_failed_saves(len(res.failed), [err for _, err in res.failed])
             self._warn.warning("save", "kvtier: %d of %d chunks could not be written (%s); they stay "
                                "uncached", len(res.failed), len(batch), str(res.failed[0][1]))
         kept_out = res.left_out + res.unreachable

@@ -273,7 +273,8 @@ class FilePayloads(PayloadStore):
                         m = await self._on_pool(_stage_segment, [buf, it, pos, n])
                     start = pos if in_place else 0
                     if await self._on_pool(_write_view, [f, buf, start, m]) != m:
-                        raise OSError(errno.EIO, f"short O_DIRECT write to {tmp}")
+                        # a regular file's write falls short when the file system fills
+                        raise OSError(errno.ENOSPC, f"No space left on device (a short O_DIRECT write to {tmp})")
                     pos += n
                 if _round_up(total) != total:  # drop the padding: the file is exactly the record
                     await self._on_pool(os.ftruncate, [f.fileno(), total])

@@ -111,14 +111,14 @@ class LmdbPayloads(PayloadStore):
                 return None
             except lmdb.MapFullError as exc:
                 if not self.env.grow():
-                    return OSError(f"LMDB map full and could not grow: {exc}")
+                    return _failed(f"LMDB map full and could not grow: {exc}", exc)
             except lmdb.Error as exc:
                 # ENOSPC and other I/O errors: the transaction was aborted, nothing of it is
                 # visible; its records (and the batch's later ones) fail together
-                return OSError(f"LMDB write failed: {exc}")
+                return _failed(f"LMDB write failed: {exc}", exc)
             except Exception as exc:  # e.g. MemoryError staging a record: earlier
                 # transactions of the batch are committed, so this one must not escape
-                return OSError(f"LMDB write failed: {exc!r}")
+                return _failed(f"LMDB write failed: {exc!r}", exc)
         return OSError("LMDB map full after growing it 8 times")
 
     def _forget(self, items: list[PutItem], locations: list[int]) -> None:
@@ -188,3 +188,11 @@ class LmdbPayloads(PayloadStore):
 
     def close(self) -> None:
         self.env.close()
+
+
+def _failed(message: str, cause: BaseException) -> OSError:
+    """A write's error, returned rather than raised, still chained to its cause (which says,
+    for one, whether the disk was full: see lmdb_check.full_cause)."""
+    err = OSError(message)
+    err.__cause__ = cause
+    return err

@@ -83,6 +83,19 @@ def not_damage(exc: BaseException, where: Path | None = None) -> str | None:
     return next((kind for code, kind in _NOT_DAMAGE.items() if _reports(exc, code)), None)
 
 
+def full_cause(exc: BaseException, where: Path | None = None) -> BaseException | None:
+    """The error in ``exc``'s chain (itself, or what it was raised from or during) that
+    says the file system is full (see :func:`not_damage`); None if none does."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if not_damage(cause, where) == "full":
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _nearly_full(where: Path) -> bool:
     """Whether the file system holding ``where`` (or its nearest existing parent) has less
     free space than LMDB may write in one commit."""

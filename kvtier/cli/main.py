@@ -17,7 +17,7 @@ from pathlib import Path
 import lmdb
 
 import kvtier
-from kvtier.backends.lmdb_check import not_damage, unusable_store
+from kvtier.backends.lmdb_check import full_cause, unusable_store
 from kvtier.cli import compact, evict, inspect, ls, prefetch, stats, verify, warmup
 from kvtier.cli._common import NotFoundError, Parser, UsageError
 from kvtier.errors import ConfigError, KVTierError, StoreDamaged
@@ -66,21 +66,15 @@ def _store_of(args: argparse.Namespace) -> str:
 
 def _no_space(args: argparse.Namespace, exc: BaseException) -> str | None:
     """The message for an error that is (or was raised because of) a full file system."""
-    seen: set[int] = set()
-    where = Path(args.store).expanduser() if getattr(args, "store", None) else None
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:  # also under a wrapper ('from None')
-        if not_damage(cause, where) == "full":
-            if getattr(args, "command", None) == "compact":
-                advice = "free space (compact writes a copy of the data in use), then retry"
-            else:
-                advice = "free space (or lower disk_bytes), then retry"
-            where = ("in the store's LMDB map" if isinstance(cause, lmdb.MapFullError)
-                     else "on the store's file system")
-            return f"{_store_of(args)}: no space left {where} ({type(cause).__name__}: {cause}); {advice}"
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
+    cause = full_cause(exc, Path(args.store).expanduser() if getattr(args, "store", None) else None)
+    if cause is None:
+        return None
+    if getattr(args, "command", None) == "compact":
+        advice = "free space (compact writes a copy of the data in use), then retry"
+    else:
+        advice = "free space (or lower disk_bytes), then retry"
+    where = "in the store's LMDB map" if isinstance(cause, lmdb.MapFullError) else "on the store's file system"
+    return f"{_store_of(args)}: no space left {where} ({type(cause).__name__}: {cause}); {advice}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,8 @@ PROM_COUNTERS = {
     "store_saves_unreachable": "Chunks written but left out because the chunk they extend was evicted "
                                "before their commit (no lookup could reach them)",
     "store_dropped_saves": "Saves dropped (queue full, disk full, I/O error)",
+    "store_dropped_disk_full": "Saves dropped because the store's file system was full (free space "
+                               "or lower disk_bytes); not counted as I/O errors",
     "store_corrupt_records": "Records that failed verification (served as misses)",
     "store_evicted_disk": "Records evicted from the persistent tier",
     "store_io_errors": "Storage I/O errors",
