@@ -36,7 +36,7 @@ from kvtier.backends.index import (
     iter_unreferenced,
     new_location,
 )
-from kvtier.backends.lmdb_check import unusable_store
+from kvtier.backends.lmdb_check import full_cause, unusable_store
 from kvtier.backends.lmdb_env import EnvHandle
 from kvtier.backends.payloads import PayloadStore, PutItem
 from kvtier.codec import RecordReader
@@ -113,6 +113,7 @@ class Backend:
             room = self._make_room_on_disk(sum(self.payloads.occupied(it.size) for it in items))
             locations = [new_location() for _ in items]
             errors = self.payloads.write_many(items, locations)
+            room += self._retry_where_full(items, locations, errors)
             ok = [(it, loc) for it, loc, err in zip(items, locations, errors, strict=True) if err is None]
             failed = [(it, err) for it, err in zip(items, errors, strict=True) if err is not None]
             now = time.time_ns()
@@ -135,7 +136,9 @@ class Backend:
         shared with other data), evict first: a full disk would fail this batch, and LMDB
         cannot even commit a removal without a few free pages."""
         try:
-            free = shutil.disk_usage(self.root).free + sum(h.reusable_bytes() for h in self.lmdb_envs())
+            # LMDB's free pages count half: scattered, they may not hold a record's run of
+            # pages (the file then grows); a full disk is still caught by _retry_where_full
+            free = shutil.disk_usage(self.root).free + sum(h.reusable_bytes() for h in self.lmdb_envs()) // 2
         except (OSError, lmdb.Error):
             return []
         short = need + DISK_RESERVE - free
@@ -145,6 +148,33 @@ class Backend:
         gone = self.index.evict(occupied - short)
         self._remove_payloads(gone)
         self.evicted_for_space += len(gone)
+        return gone
+
+    def _retry_where_full(self, items: list[PutItem], locations: list[int],
+                          errors: list[BaseException | None]) -> list[EntryInfo]:
+        """Write once more, after evicting twice their size, the records a full file system
+        refused (in place in ``locations`` and ``errors``). The free-space estimate before a
+        batch can be wrong: LMDB's free pages may be too scattered for a record, and other
+        writers fill the disk meanwhile. Without this, a store that had filled its disk
+        could end with no room left for the index commits that evictions need."""
+        full = [i for i, err in enumerate(errors) if err is not None and full_cause(err, self.root)]
+        if not full:
+            return []
+        need = 2 * sum(self.payloads.occupied(items[i].size) for i in full) + DISK_RESERVE
+        try:
+            occupied = self.index.totals().occupied
+            if need > occupied:
+                return []  # the disk is full of other data: the store's records are kept
+            gone = self.index.evict(occupied - need)
+        except Exception:  # (the index could not commit either: the batch's failures stand)
+            return []
+        self._remove_payloads(gone)
+        self.evicted_for_space += len(gone)
+        if gone:
+            again = [new_location() for _ in full]
+            for i, loc, err in zip(full, again, self.payloads.write_many([items[i] for i in full], again),
+                                   strict=True):
+                locations[i], errors[i] = loc, err
         return gone
 
     def _remove_payloads(self, entries: list[EntryInfo]) -> None:

@@ -132,3 +132,34 @@ def test_an_index_write_the_full_disk_cut_short_is_full_not_damaged(tmpfs: Path,
     filler.unlink()
     with open_cache(store, backend) as cache:  # intact
         assert cache.lookup(tokens(0, 3 * CHUNK)) == 3 * CHUNK
+
+
+def test_a_store_that_filled_its_disk_itself_keeps_saving_and_recovers(tmp_path: Path) -> None:
+    """An lmdb store with a budget larger than its file system (here 1 GiB on 16 MiB) fills
+    the disk itself. Its free pages were counted as room, but scattered ones cannot hold a
+    record, so the file grew until the disk was full: 15-60% of saves were dropped, and the
+    store could then be stuck, with no room for the index commits that evictions need (a
+    writer with a lower budget committed 0 of 400 chunks). A write the full disk refuses is
+    now tried again after evicting room for it."""
+    from kvhelpers import small_tmpfs
+
+    with small_tmpfs(tmp_path, "16m") as mnt:
+        store = mnt / "s"
+        with open_cache(store, "lmdb", disk_bytes="1G") as cache:
+            for i in range(700):
+                toks = tokens(i, 4 * CHUNK)
+                cache.save(toks, make_kv(toks), wait=10)
+            assert cache.flush(60)
+            st = cache.stats()
+        assert shutil.disk_usage(mnt).free < (4 << 20), "the store did not fill its disk"
+        assert st["io_errors"] == 0 and st["dropped_disk_full"] == st["dropped_saves"], st
+        assert st["dropped_saves"] < 0.25 * st["saves_queued"], st  # (33% before; ~5-10% now)
+        with open_cache(store, "lmdb", disk_bytes="4M") as cache:  # a lower budget: it recovers
+            for i in range(100):
+                toks = tokens(5000 + i, 4 * CHUNK)
+                cache.save(toks, make_kv(toks), wait=10)
+            assert cache.flush(60)
+            st = cache.stats()
+            assert st["dropped_saves"] == 0 and st["saves_committed"] > 300, st
+            assert cache.lookup(toks) == len(toks)
+            assert cache.store.backend.occupied() <= 4 << 20
