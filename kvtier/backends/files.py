@@ -124,10 +124,10 @@ class FilePayloads(PayloadStore):
         for a in os.scandir(self._data):
             if not a.is_dir(follow_symlinks=False) or a.name == "tmp":
                 continue
-            for b in os.scandir(a.path):
+            for b in _scan(a.path):
                 if not b.is_dir(follow_symlinks=False):
                     continue
-                for f in os.scandir(b.path):
+                for f in _scan(b.path):
                     parsed = _parse_name(f.name)
                     if parsed is not None:
                         yield parsed
@@ -135,6 +135,7 @@ class FilePayloads(PayloadStore):
     def remove_found(self, key: bytes, location: int) -> None:
         with contextlib.suppress(OSError):
             _unlink_quiet(self._inside(key, location))
+            self._remove_empty({self.path_of(key, location).parent})
 
     def _remove_dead_temps(self) -> None:
         """Delete temp files of writers that no longer run (a killed writer's leftovers): of
@@ -170,8 +171,7 @@ class FilePayloads(PayloadStore):
                     continue
                 final = self.path_of(it.key, loc)
                 try:
-                    changed |= self._make_dirs(final.parent)
-                    os.replace(res, self._inside(it.key, loc))
+                    changed |= self._place(res, it.key, loc)
                     changed.add(final.parent)
                     errors.append(None)
                 except OSError as exc:
@@ -292,6 +292,32 @@ class FilePayloads(PayloadStore):
         self._direct_write = True
         return True
 
+    def _place(self, tmp: str, key: bytes, location: int) -> set[Path]:
+        """Rename a written temp file to its record path, creating the shard directories;
+        the directories that gained an entry. Another process removes a shard directory it
+        emptied (see :meth:`_remove_empty`), possibly between its creation here and the
+        rename: then it is created again."""
+        for attempt in range(3):
+            try:
+                changed = self._make_dirs(self.path_of(key, location).parent)
+                os.replace(tmp, self._inside(key, location))
+                return changed
+            except FileNotFoundError:
+                if attempt == 2 or not os.path.exists(tmp):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _remove_empty(self, shards: set[Path]) -> None:
+        """Remove shard directories that removals emptied, and their parent level if that
+        emptied too: else their number only grows, to 65,792 (about 257 MiB on ext4, counted
+        by no budget), whatever the store holds. ``rmdir`` removes only an empty directory."""
+        for shard in shards:
+            for d in (shard, shard.parent):  # (path_of: two levels below the data directory)
+                try:
+                    os.rmdir(d)
+                except OSError:  # not empty (a record, or a writer's), or gone already
+                    break
+
     def _make_dirs(self, shard: Path) -> set[Path]:
         """Create a shard directory and its parent level, owner-only (``mkdir(parents=True)``
         would create the parent with default permissions); return the directories that
@@ -317,13 +343,16 @@ class FilePayloads(PayloadStore):
 
     def delete(self, entries: list[EntryInfo]) -> list[EntryInfo]:
         kept = []
+        emptied: set[Path] = set()
         for e in entries:
             try:
                 os.unlink(self._inside(e.key, e.location))
+                emptied.add(self.path_of(e.key, e.location).parent)
             except FileNotFoundError:
                 pass
             except OSError:
                 kept.append(e)
+        self._remove_empty(emptied)
         return kept
 
     # -- reads ---------------------------------------------------------------------------
@@ -372,6 +401,15 @@ class FilePayloads(PayloadStore):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _scan(path: str) -> list[os.DirEntry[str]]:
+    """A shard directory's entries; none if another process removed it (it was empty)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
 
 
 def _parse_name(name: str) -> tuple[bytes, int] | None:

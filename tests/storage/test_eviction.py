@@ -205,3 +205,39 @@ def test_payloads_a_removal_could_not_free_are_freed_by_the_next(tmp_path: Path,
         cache.save(_seq("B", 5), make_kv(_seq("B", 5)))  # the disk has room again
         assert cache.flush(30)
         assert stored_payloads() == b.usage()[0]
+
+
+def test_shard_directories_emptied_by_removals_are_removed(tmp_path: Path) -> None:
+    """The files backend's record directories (two levels, 65,792 at most, about 257 MiB on
+    ext4 whatever the store holds) go when removals empty them; a writer whose directory is
+    removed between its creation and the rename creates it again."""
+    store = tmp_path / "s"
+    with open_cache(store, "files") as cache:
+        for i in range(20):
+            toks = _seq("A", i)
+            cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        data = store / "files"
+        assert len([d for d in data.rglob("*") if d.is_dir()]) > 20
+        b = cache.store.backend
+        assert b.evict_lru(0)[0] == 20
+        assert sorted(p.name for p in data.iterdir()) == ["tmp"], "emptied shard directories were left"
+
+        payloads = b.payloads
+        make_dirs = payloads._make_dirs
+        raced = []
+
+        def make_then_lose(shard: Path) -> set[Path]:  # another process empties and removes it
+            changed = make_dirs(shard)
+            if not raced:
+                raced.append(shard)
+                payloads._remove_empty({shard})
+            return changed
+
+        payloads._make_dirs = make_then_lose
+        toks = _seq("B", 0)
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        assert raced and cache.stats()["dropped_saves"] == 0
+        assert b.present_each([ref.key for ref in cache.chunks(toks)]) == [True]  # on disk
+        assert same_bits(cache.load(toks), make_kv(toks))
