@@ -279,12 +279,13 @@ def test_chunks_larger_than_the_write_queue_are_an_error(tiny_model: Path, tmp_p
 
     store = tmp_path / "store"
     prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}])
-    # < one full chunk (256 KiB); the 32-token tail (32 KiB) fits
+    # < one full chunk (256 KiB). The 32-token tail (32 KiB) fits, but without the chunk it
+    # extends no lookup could reach it: it is not stored either (saves_unreachable)
     rc = main(_cli(tiny_model, prompts, {"path": str(store), "write_queue_bytes": "128K"}))
     summary = json.loads(capsys.readouterr().out)
-    assert rc == 1 and summary["chunks_stored"] == 1 == _records_in(store) and summary["prompts"] == 0
+    assert rc == 1 and summary["chunks_stored"] == 0 == _records_in(store) and summary["prompts"] == 0
     assert summary["errors"] == [
-        "line 1: 1 of 2 chunk(s) not stored: the write queue could not take them (write_queue_bytes is "
+        "line 1: 2 of 2 chunk(s) not stored: the write queue could not take them (write_queue_bytes is "
         "131,072 bytes; one chunk may need more); raise write_queue_bytes in --config, then run the "
         "warm-up again"]
 
