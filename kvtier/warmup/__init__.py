@@ -189,6 +189,7 @@ VLLM_SAVE_WAIT_S = 240.0
 class _Saved:
     dropped: int  # saves the store dropped (queue or buffers full, failed writes)
     io_errors: int  # failed writes among them
+    disk_full: int  # saves a full file system refused
     timed_out: bool  # the chunks did not reach the disk within FLUSH_TIMEOUT_S
     chunk_bytes: int  # bytes of one full chunk
 
@@ -206,7 +207,7 @@ def _save_waiting(cache: Any, ids: list[int], kv: Any, extras: Any) -> _Saved:
     cache.save(ids, kv, extras, wait=FLUSH_TIMEOUT_S)
     timed_out = not cache.flush(timeout=max(0.0, deadline - time.monotonic()))
     after = store.counters.snapshot()
-    return _Saved(after["dropped_saves"] - before["dropped_saves"], after["io_errors"] - before["io_errors"],
+    return _Saved(*(after[k] - before[k] for k in ("dropped_saves", "io_errors", "dropped_disk_full")),
                   timed_out, chunk_bytes)
 
 
@@ -222,9 +223,9 @@ def _not_stored(cache: Any, chunks: int, missing: int, saved: _Saved) -> str | N
     if saved.timed_out:
         return (f"{what}: the store did not finish writing within {FLUSH_TIMEOUT_S:.0f} s (a hung or very "
                 "slow disk); check the disk, then run the warm-up again")
-    if saved.io_errors:
+    if saved.io_errors or saved.disk_full:
         free = shutil.disk_usage(config.path).free
-        if free < missing * saved.chunk_bytes:  # what failed to be written does not fit
+        if saved.disk_full or free < missing * saved.chunk_bytes:  # what failed to be written does not fit
             return (f"{what}: the disk holding {config.path} is full ({free:,} bytes free); free space "
                     "on it, or lower disk_bytes below what it can hold, then run the warm-up again")
         return (f"{what}: writing them failed (an I/O error; see the warnings above); check the disk "
