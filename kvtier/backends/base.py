@@ -51,6 +51,9 @@ EVICT_LOW_WATERMARK = 0.9
 # Free space kept on the store's filesystem (beyond the batch being written): room for the
 # index's own commits, which a removal needs too.
 DISK_RESERVE = 1 << 20
+# The share of what an LMDB record file can hold on its disk that records may fill (see
+# Backend._make_room_on_disk)
+LMDB_FILL = 0.75
 
 __all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "most_recent", "EVICT_LOW_WATERMARK"]
 
@@ -134,15 +137,20 @@ class Backend:
     def _make_room_on_disk(self, need: int) -> list[EntryInfo]:
         """If the filesystem itself is about to run out (it can fill before the budget does,
         shared with other data), evict first: a full disk would fail this batch, and LMDB
-        cannot even commit a removal without a few free pages."""
+        cannot even commit a removal without a few free pages.
+
+        The records can occupy what they hold on the disk now plus its free space, less a
+        reserve. Where they live in an LMDB file, only part of that (``LMDB_FILL``): a record
+        needs a run of free pages, which a file filled to the brim rarely has, so it grows
+        the file instead, until the disk is full."""
+        records = getattr(self.payloads, "env", None)
         try:
-            # LMDB's free pages count half: scattered, they may not hold a record's run of
-            # pages (the file then grows); a full disk is still caught by _retry_where_full
-            free = shutil.disk_usage(self.root).free + sum(h.reusable_bytes() for h in self.lmdb_envs()) // 2
+            occupied = self.index.totals().occupied
+            held = records.file_bytes() if isinstance(records, EnvHandle) else occupied
+            capacity = shutil.disk_usage(self.root).free + held - DISK_RESERVE
         except (OSError, lmdb.Error):
             return []
-        short = need + DISK_RESERVE - free
-        occupied = self.index.totals().occupied
+        short = occupied + need - int(capacity * (LMDB_FILL if isinstance(records, EnvHandle) else 1.0))
         if short <= 0 or short > occupied:
             return []  # room enough, or the disk is full of other data: evicting would not help
         gone = self.index.evict(occupied - short)

@@ -124,10 +124,10 @@ class FilePayloads(PayloadStore):
         for a in os.scandir(self._data):
             if not a.is_dir(follow_symlinks=False) or a.name == "tmp":
                 continue
-            for b in _scan(a.path):
+            for b in scan_shard(a.path):
                 if not b.is_dir(follow_symlinks=False):
                     continue
-                for f in _scan(b.path):
+                for f in scan_shard(b.path):
                     parsed = _parse_name(f.name)
                     if parsed is not None:
                         yield parsed
@@ -403,8 +403,9 @@ class FilePayloads(PayloadStore):
             self._pool = None
 
 
-def _scan(path: str) -> list[os.DirEntry[str]]:
-    """A shard directory's entries; none if another process removed it (it was empty)."""
+def scan_shard(path: str) -> list[os.DirEntry[str]]:
+    """A record directory's entries; none if another process removed it (it was empty:
+    see FilePayloads._remove_empty)."""
     try:
         with os.scandir(path) as it:
             return list(it)

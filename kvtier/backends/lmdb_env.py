@@ -319,10 +319,14 @@ class EnvHandle:
     def reusable_bytes(self) -> int:
         """Bytes of free pages inside the data file: space a write can use without the
         filesystem (LMDB reuses freed pages, but never gives them back to it)."""
-        env = self.env_now()
         with self.txn() as txn:
             used = self.page_bytes(txn)
-        return max(0, (env.info()["last_pgno"] + 1) * env.stat()["psize"] - used)
+        return max(0, self.file_bytes() - used)
+
+    def file_bytes(self) -> int:
+        """Bytes of the data file's pages, used and free (what it holds on its disk)."""
+        env = self.env_now()
+        return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
 
     def page_bytes(self, txn: lmdb.Transaction) -> int:
         """Bytes of the pages this environment's databases use (what its data occupies)."""

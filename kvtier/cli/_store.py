@@ -30,6 +30,7 @@ from kvtier.backends import (
     read_marker,
     stored_config,
 )
+from kvtier.backends.files import scan_shard
 from kvtier.cli._common import NotFoundError, UsageError
 from kvtier.codec import RecordHeader, decode_header, verify_payload
 from kvtier.errors import IncompatibleRecord, RecordError, RecordTooLarge, StoreError
@@ -137,12 +138,10 @@ def _unwritable_record_dirs(files: Path, show: int = 3) -> list[str]:
     if not files.is_dir():
         return []
     dirs = [files]
-    with os.scandir(files) as top:
-        for a in top:
-            if a.is_dir(follow_symlinks=False):
-                dirs.append(Path(a.path))
-                with os.scandir(a.path) as mid:
-                    dirs += [Path(b.path) for b in mid if b.is_dir(follow_symlinks=False)]
+    for a in scan_shard(str(files)):
+        if a.is_dir(follow_symlinks=False):
+            dirs.append(Path(a.path))
+            dirs += [Path(b.path) for b in scan_shard(a.path) if b.is_dir(follow_symlinks=False)]
     bad = [d for d in dirs if not _may(d, os.W_OK | os.X_OK)]
     named = [f"{d.relative_to(files.parent)}/ (write)" for d in bad[:show]]
     if len(bad) > show:

@@ -101,12 +101,12 @@ def build_store(path: Path, backend: str, compression: str = "none") -> Built:
     return built
 
 
-def entries(path: Path, backend: str) -> dict[bytes, tuple[int, int]]:
-    """key -> (bytes occupied on disk, last use ns), read in this process through the
-    backend interface."""
+def entries(path: Path, backend: str, *, occupied: bool = False) -> dict[bytes, tuple[int, int]]:
+    """key -> (record bytes, or with ``occupied`` the bytes it occupies on disk; last use
+    ns), read in this process through the backend interface."""
     b = open_backend(CacheConfig(path=path, backend=backend), readonly=True, create=False)
     try:
-        return {e.key: (e.occupied, e.atime_ns) for e in b.entries()}
+        return {e.key: (e.occupied if occupied else e.size, e.atime_ns) for e in b.entries()}
     finally:
         b.close()
 

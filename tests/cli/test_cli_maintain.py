@@ -101,7 +101,7 @@ def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
     times = {k: now - 10 * 86400 * 10**9 + i for i, k in enumerate(old)}
     times |= {k: now - 3600 * 10**9 + i * 10**6 for i, k in enumerate(keys[5:])}
     touch(b.path, b.backend, times)
-    before = entries(b.path, b.backend)
+    before = entries(b.path, b.backend, occupied=True)
     assert {k: t for k, (_, t) in before.items()} == times
     sizes = {k: s for k, (s, _) in before.items()}
     budget = sum(sizes.values()) // 2
@@ -121,7 +121,7 @@ def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
     dry_all = run_main(capsys, "evict", b.path, "--all", "--dry-run", "--json")
     d = json.loads(dry_all.stdout)
     assert d["dry_run"] and d["evict"]["records"] == len(keys) and d["removed"]["records"] == 0
-    assert entries(b.path, b.backend) == before
+    assert entries(b.path, b.backend, occupied=True) == before
 
     # --older-than drops what is unused for that long; --max-bytes then goes LRU first.
     r = cli("evict", b.path, "--older-than", "7d", "--max-bytes", budget, "--json")
@@ -134,7 +134,7 @@ def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
             break
         expect_gone.add(k)
         total -= sizes[k]
-    after = entries(b.path, b.backend)
+    after = entries(b.path, b.backend, occupied=True)
     assert set(after) == set(keys) - expect_gone
     assert sum(s for s, _ in after.values()) <= budget
     out = json.loads(r.stdout)
@@ -149,7 +149,7 @@ def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
     r2 = run_main(capsys, "evict", b.path, *narrow, "--all")
     assert r2.returncode == 0, r2.stderr
     assert "removed" in r2.stdout and "in 1 namespace(s)" in r2.stdout
-    final = entries(b.path, b.backend)
+    final = entries(b.path, b.backend, occupied=True)
     assert not set(final) & set(b.keys[qwen])
     assert set(final) == set(after) - set(b.keys[qwen])
 

@@ -32,7 +32,8 @@ def test_disk_full_drops_and_counts_saves(tmpfs: Path, backend: str) -> None:
         st = cache.stats()
         # counted as a full disk, not as I/O errors (the disk is fine: free space)
         assert st["dropped_saves"] == st["dropped_disk_full"] > 0 and st["io_errors"] == 0, st
-        assert st["saves_committed"] + st["dropped_saves"] == st["saves_queued"], st
+        # every save accounted for (one whose first chunk was dropped cannot be reached: left out)
+        assert st["saves_committed"] + st["dropped_saves"] + st["saves_unreachable"] == st["saves_queued"], st
         for toks in early:  # (from the host tier here)
             assert same_bits(cache.load(toks), make_kv(toks))
 

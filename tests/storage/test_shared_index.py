@@ -178,11 +178,14 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
 def _record_file_bytes(store: Path) -> int:
     """Bytes of the record files on disk now (files come and go meanwhile)."""
     total = 0
-    for f in (store / "files").rglob("*.kvt"):
-        try:
-            total += f.stat().st_size
-        except FileNotFoundError:
-            continue
+    # (os.walk, not rglob: a record directory a removal emptied may go while it is walked)
+    for dirpath, _, names in os.walk(store / "files"):
+        for name in names:
+            if name.endswith(".kvt"):
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    continue
     return total
 
 
