@@ -142,7 +142,8 @@ def _unwritable_record_dirs(files: Path, show: int = 3) -> list[str]:
         if a.is_dir(follow_symlinks=False):
             dirs.append(Path(a.path))
             dirs += [Path(b.path) for b in scan_shard(a.path) if b.is_dir(follow_symlinks=False)]
-    bad = [d for d in dirs if not _may(d, os.W_OK | os.X_OK)]
+    # (one a removal emptied and removed since the listing is not a problem)
+    bad = [d for d in dirs if not _may(d, os.W_OK | os.X_OK) and d.exists()]
     named = [f"{d.relative_to(files.parent)}/ (write)" for d in bad[:show]]
     if len(bad) > show:
         named.append(f"and {len(bad) - show} more record directories (write)")
