@@ -46,6 +46,7 @@ from kvtier.metrics import Counters
 from kvtier.remote import RemoteTier, open_remote
 
 log = logging.getLogger("kvtier")
+_ENFORCE_STEP_BYTES = 1 << 30  # most a budget check evicts in one index commit
 
 
 class Outcome(Enum):
@@ -449,9 +450,18 @@ class ChunkStore:
         save, which a server that only loads may never make."""
         try:
             budget = self.backend.budget()
-            if self.backend.occupied() > budget:
-                n, nbytes = self.backend.evict_lru(int(budget * EVICT_LOW_WATERMARK))
+            occupied = self.backend.occupied()
+            if occupied <= budget:
+                return
+            target = int(budget * EVICT_LOW_WATERMARK)
+            while occupied > target and not self._closed:
+                # in steps: one commit removing a whole store's worth would hold the index's
+                # write lock (every writer's commits) for as long as it takes
+                n, nbytes = self.backend.evict_lru(max(target, occupied - _ENFORCE_STEP_BYTES))
                 self.counters.add(evicted_disk=n, evicted_disk_bytes=nbytes)
+                if not n:
+                    return  # what is left is leased to loads
+                occupied = self.backend.occupied()
         except Exception as exc:  # housekeeping: never fatal
             self._warn.warning("sweep", "kvtier: evicting down to the store's budget failed: %s", exc)
 

@@ -74,10 +74,18 @@ def test_disk_budget_evicts_least_recently_used(tmp_path: Path, backend: str) ->
         assert (records, nbytes) == (len(entries), sum(e.size for e in entries)) == (13, 13 * RECORD)
 
 
-def test_a_lowered_budget_holds_without_waiting_for_a_save(tmp_path: Path, backend: str) -> None:
+def test_a_lowered_budget_holds_without_waiting_for_a_save(tmp_path: Path, backend: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer opened with a lower disk_bytes evicts down to it at once (least recently
     used first), not at its first commit: a server that only loads may never save (the
-    store stayed at 359% of its budget in the operator audit)."""
+    store stayed at 359% of its budget in the operator audit). It evicts in steps, so as not
+    to hold the index's write lock for a whole store's worth."""
+    import kvtier.store
+    from kvtier.backends import Backend
+
+    commits = []
+    real = Backend.evict_lru
+    monkeypatch.setattr(Backend, "evict_lru", lambda self, target: commits.append(target) or real(self, target))
     store = tmp_path / "s"
     with open_cache(store, backend) as cache:
         for i in range(12):  # one commit each: A0 the least recently used
@@ -85,6 +93,7 @@ def test_a_lowered_budget_holds_without_waiting_for_a_save(tmp_path: Path, backe
             cache.save(toks, make_kv(toks))
             assert cache.flush(10)
         occupied = cache.store.backend.occupied()
+    monkeypatch.setattr(kvtier.store, "_ENFORCE_STEP_BYTES", 2 * occupied // 12)  # two records a step
     with open_cache(store, backend, disk_bytes=occupied // 2) as cache:
         deadline = time.monotonic() + 20
         while ((cache.store.backend.occupied() > occupied // 2 or not cache.stats()["evicted_disk"])
@@ -94,6 +103,7 @@ def test_a_lowered_budget_holds_without_waiting_for_a_save(tmp_path: Path, backe
         kept = [i for i in range(12) if cache.lookup(_seq("A", i))]
         assert kept == list(range(12 - len(kept), 12)) and 0 < len(kept) < 6, kept  # the newest
         assert cache.stats()["evicted_disk"] == 12 - len(kept) and cache.stats()["saves_committed"] == 0
+        assert len(commits) >= 3, commits
 
 
 def test_host_tier_is_an_lru_within_budget(tmp_path: Path, backend: str) -> None:
