@@ -9,7 +9,9 @@ other server updates, so it never promises a chunk another process has evicted.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.backends import open_shared
 from kvtier.backends.index import Lease
@@ -33,6 +35,8 @@ class StoreView:
             raise
         self.lookup_errors = 0
         self._closed = False
+        self._releaser: ThreadPoolExecutor | None = None
+        self._releaser_pid = 0
 
     def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]], *,
                             remote: bool = True) -> int:
@@ -62,7 +66,16 @@ class StoreView:
 
     def release(self, held: Lease) -> None:
         """End a lease whose load is done (else it holds until it expires: eviction would
-        take fresher chunks instead)."""
+        take fresher chunks instead). On a thread of its own: an index write waits for any
+        other process's commit, and vLLM's scheduling loop must not."""
+        if not held or self._closed:
+            return
+        if self._releaser is None or self._releaser_pid != os.getpid():  # (none is inherited by fork)
+            self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtier-release")
+            self._releaser_pid = os.getpid()
+        self._releaser.submit(self._release_now, held)
+
+    def _release_now(self, held: Lease) -> None:
         try:
             self.backend.release(held)
         except Exception as exc:
@@ -74,6 +87,11 @@ class StoreView:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._releaser is not None and self._releaser_pid == os.getpid():
+                # the releases queued go first (bounded: a hung index must not hang shutdown)
+                self._releaser.shutdown(wait=False)
+                for t in getattr(self._releaser, "_threads", ()):
+                    t.join(float(self.config.close_timeout_s))
             if self.remote is not None:
                 self.remote.close()
             self.backend.close()

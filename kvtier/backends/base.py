@@ -144,16 +144,21 @@ class Backend:
         needs a run of free pages, which a file filled to the brim rarely has, so it grows
         the file instead, until the disk is full."""
         records = getattr(self.payloads, "env", None)
+        in_lmdb = isinstance(records, EnvHandle)
         try:
             occupied = self.index.totals().occupied
-            held = records.file_bytes() if isinstance(records, EnvHandle) else occupied
+            held = records.file_bytes() if in_lmdb else occupied
             capacity = shutil.disk_usage(self.root).free + held - DISK_RESERVE
         except (OSError, lmdb.Error):
             return []
-        short = occupied + need - int(capacity * (LMDB_FILL if isinstance(records, EnvHandle) else 1.0))
+        short = occupied + need - int(capacity * (LMDB_FILL if in_lmdb else 1.0))
         if short <= 0 or short > occupied:
             return []  # room enough, or the disk is full of other data: evicting would not help
-        gone = self.index.evict(occupied - short)
+        return self._evict_for_space(occupied - short)
+
+    def _evict_for_space(self, target: int) -> list[EntryInfo]:
+        """Evict down to ``target`` occupied bytes to make room on the file system."""
+        gone = self.index.evict(target)
         self._remove_payloads(gone)
         self.evicted_for_space += len(gone)
         return gone
@@ -173,11 +178,9 @@ class Backend:
             occupied = self.index.totals().occupied
             if need > occupied:
                 return []  # the disk is full of other data: the store's records are kept
-            gone = self.index.evict(occupied - need)
+            gone = self._evict_for_space(occupied - need)
         except Exception:  # (the index could not commit either: the batch's failures stand)
             return []
-        self._remove_payloads(gone)
-        self.evicted_for_space += len(gone)
         if gone:
             again = [new_location() for _ in full]
             for i, loc, err in zip(full, again, self.payloads.write_many([items[i] for i in full], again),
@@ -351,11 +354,10 @@ def _backends_after_fork_in_child() -> None:
 forksafe.register(forksafe.BACKEND, after_in_child=_backends_after_fork_in_child)
 
 
-def write_json_atomic(path: Path, data: dict[str, object], *, exclusive: bool = False) -> bool:
+def write_json_atomic(path: Path, data: dict[str, object], *, exclusive: bool = False) -> None:
     """Write a small JSON file atomically (temp file, fsync, rename), owner-only. With
     ``exclusive``, only if ``path`` does not exist yet (a hard link cannot replace a file:
-    of two processes creating it at once, one wins and the other's is never seen); returns
-    whether this call wrote it."""
+    of two processes creating it at once, one wins and the other's is never seen)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -366,13 +368,12 @@ def write_json_atomic(path: Path, data: dict[str, object], *, exclusive: bool = 
         try:
             os.link(tmp, path)
             os.unlink(tmp)
-            return True
+            return
         except FileExistsError:
             os.unlink(tmp)
-            return False
+            return
         except OSError as exc:  # a file system without hard links: replace, as before
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
                 os.unlink(tmp)
                 raise
     os.replace(tmp, path)
-    return True

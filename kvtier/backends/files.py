@@ -297,15 +297,18 @@ class FilePayloads(PayloadStore):
         the directories that gained an entry. Another process removes a shard directory it
         emptied (see :meth:`_remove_empty`), possibly between its creation here and the
         rename: then it is created again."""
-        for attempt in range(3):
+        for _ in range(2):
             try:
-                changed = self._make_dirs(self.path_of(key, location).parent)
-                os.replace(tmp, self._inside(key, location))
-                return changed
+                return self._rename_into(tmp, key, location)
             except FileNotFoundError:
-                if attempt == 2 or not os.path.exists(tmp):
+                if not os.path.exists(tmp):  # (the temp file itself is gone: nothing to place)
                     raise
-        raise AssertionError("unreachable")
+        return self._rename_into(tmp, key, location)
+
+    def _rename_into(self, tmp: str, key: bytes, location: int) -> set[Path]:
+        changed = self._make_dirs(self.path_of(key, location).parent)
+        os.replace(tmp, self._inside(key, location))
+        return changed
 
     def _remove_empty(self, shards: set[Path]) -> None:
         """Remove shard directories that removals emptied, and their parent level if that

@@ -316,13 +316,6 @@ class EnvHandle:
         self._open()
         return before - data.stat().st_size
 
-    def reusable_bytes(self) -> int:
-        """Bytes of free pages inside the data file: space a write can use without the
-        filesystem (LMDB reuses freed pages, but never gives them back to it)."""
-        with self.txn() as txn:
-            used = self.page_bytes(txn)
-        return max(0, self.file_bytes() - used)
-
     def file_bytes(self) -> int:
         """Bytes of the data file's pages, used and free (what it holds on its disk)."""
         env = self.env_now()

@@ -140,8 +140,9 @@ def test_a_store_that_filled_its_disk_itself_keeps_saving_and_recovers(tmp_path:
     the disk itself. Its free pages were counted as room, but scattered ones cannot hold a
     record, so the file grew until the disk was full: 15-60% of saves were dropped, and the
     store could then be stuck, with no room for the index commits that evictions need (a
-    writer with a lower budget committed 0 of 400 chunks). A write the full disk refuses is
-    now tried again after evicting room for it."""
+    writer with a lower budget committed 0 of 400 chunks). Now records fill at most 75% of
+    what the record file can hold on its disk, and a write the full disk still refuses is
+    tried again after evicting room for it."""
     from kvhelpers import small_tmpfs
 
     with small_tmpfs(tmp_path, "16m") as mnt:
@@ -154,7 +155,7 @@ def test_a_store_that_filled_its_disk_itself_keeps_saving_and_recovers(tmp_path:
             st = cache.stats()
         assert shutil.disk_usage(mnt).free < (4 << 20), "the store did not fill its disk"
         assert st["io_errors"] == 0 and st["dropped_disk_full"] == st["dropped_saves"], st
-        assert st["dropped_saves"] < 0.25 * st["saves_queued"], st  # (33% before; ~5-10% now)
+        assert st["dropped_saves"] < 0.01 * st["saves_queued"], st  # (33% before; 0 in 5 runs now)
         with open_cache(store, "lmdb", disk_bytes="4M") as cache:  # a lower budget: it recovers
             for i in range(100):
                 toks = tokens(5000 + i, 4 * CHUNK)

@@ -16,7 +16,7 @@ import pytest
 from kvhelpers import CHUNK, Zygote, config, make_kv, open_cache, same_bits, tokens
 
 from kvtier import ChunkStore, codec
-from kvtier.backends import PutItem
+from kvtier.backends import Backend, PutItem
 from kvtier.backends.index import NO_KEY, chain_key
 from kvtier.store import Outcome
 from kvtier.store_view import StoreView
@@ -150,14 +150,16 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
             assert view.lease(keys[-1:], 0.0) == {}  # a lease only ever grows: this changes nothing
             assert zygote.request("call", fn="evict_store", kwargs={
                 "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
-            # Another load of the prompt (a second server) leases it too: ending the first
-            # lease leaves the second's in force; once both have ended, eviction takes it.
+            # A second load of the prompt (another server) leases it too and ends first: the
+            # first's lease is in force again. Once that ends too, eviction takes the chain.
+            # (Releases run on the view's own thread: wait for each to land.)
             second = view.lease(keys[-1:], 90.0)
-            view.release(mine)
+            view.release(second)
+            _wait_for_lease(view.backend, keys[-1], mine[keys[-1]][0])
             assert zygote.request("call", fn="evict_store", kwargs={
                 "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
-            view.release(second)
             view.release(mine)
+            _wait_for_lease(view.backend, keys[-1], 0)
             assert zygote.request("call", fn="evict_store", kwargs={
                 "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 6
         finally:
@@ -173,6 +175,21 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
         time.sleep(0.1)
         assert b.evict_lru(b.occupied() - 2 * (b.occupied() // 8))[0] == 2
         assert b.count_present_prefix(short) == 0 and b.count_present_prefix(keys) == 6
+        # Ended out of order (the first lease's load finishes first), a release leaves the
+        # later lease alone; the later one's release puts back the earlier one's end time,
+        # which then runs out by itself (the documented limit)
+        first, later = b.lease(keys[-1:], 90.0), b.lease(keys[-1:], 120.0)
+        b.release(first)
+        assert b.lookup(keys[-1]).lease_until_ns == later[keys[-1]][0]
+        b.release(later)
+        assert b.lookup(keys[-1]).lease_until_ns == first[keys[-1]][0]
+
+
+def _wait_for_lease(backend: Backend, key: bytes, until_ns: int) -> None:
+    deadline = time.monotonic() + 10
+    while backend.lookup(key).lease_until_ns != until_ns and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backend.lookup(key).lease_until_ns == until_ns
 
 
 def _record_file_bytes(store: Path) -> int:

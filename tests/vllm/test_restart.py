@@ -78,9 +78,16 @@ def test_lmdb_backend_restart(tiny_model: Path, store_dir: Path) -> None:
     shutil.rmtree(store_dir)
 
 
-def _leased(e: Engine) -> int:
-    now = time.time_ns()
-    return sum(1 for x in e.worker_connector._store.backend.entries() if x.lease_until_ns > now)
+def _leased(e: Engine, settle_s: float = 5.0) -> int:
+    """Entries still leased, once the scheduler's releases (on their own thread) had up to
+    ``settle_s`` to land."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        now = time.time_ns()
+        n = sum(1 for x in e.worker_connector._store.backend.entries() if x.lease_until_ns > now)
+        if not n or time.monotonic() > deadline:
+            return n
+        time.sleep(0.02)
 
 
 def test_a_loads_lease_ends_when_the_load_is_done(tiny_model: Path, store_dir: Path) -> None:
