@@ -33,6 +33,7 @@ dtype, KV shape, chunk size, tensor-parallel rank/size and format version. Per-r
 extras (cache_salt, LoRA adapter, multimodal inputs) are hashed into each chunk's key and
 are not stored, so chunks cannot be listed by salt or tenant.
 Ages: OLDEST/NEWEST are when chunks were written, LAST USE when one was last saved or loaded.
+The table leaves out namespaces with no chunks left (--all lists them).
 The table shows a short model name (a local model's directory name); the full identity
 (path, revision, config digest, loader options, ...) is in --json and 'kvtier inspect'.
 """
@@ -80,6 +81,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         sub, "ls", help="list the namespaces (model, dtype, TP rank...) in a store with counts and ages",
         description="List the namespaces of a store: chunk counts, tokens, bytes, and ages.",
         epilog=EPILOG, run=run)
+    p.add_argument("--all", action="store_true",
+                   help="also list namespaces with no chunks left (registered by a server or a warm-up, "
+                        "then emptied by eviction); --json always lists them")
     add_json_arg(p)
 
 
@@ -129,7 +133,11 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, no_wrap=col == "namespace")
     for col in ("chunk", "tp", "chunks", "tokens", "size", "oldest", "newest", "last use"):
         table.add_column(col, justify="right", no_wrap=col == "size")
-    for r in rows:
+    # A namespace stays registered after its last chunk is evicted (a server that registered
+    # it may still save to it); the table lists only those holding something, unless --all.
+    shown = rows if args.all else [r for r in rows if r.chunks or r.unreadable]
+    empty = len(rows) - len(shown)
+    for r in shown:
         d = r.description or {}
         shape = d.get("kv_shape")
         table.add_row(
@@ -144,8 +152,13 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         line(con, f"{escape(root)} ({backend}): empty store, no namespaces registered yet")
         return 0
+    hidden = f"; {empty} empty namespace(s) not shown (--all lists them)" if empty else ""
+    if not shown:
+        line(con, f"{escape(root)} ({backend}): no chunks stored{hidden}")
+        return 0
     show(con, table, drop=("weights", "chunk", "oldest", "kv shape", "tp", "dtype", "tokens"))
-    line(con, f"{len(rows)} namespace(s), {total_chunks:,} chunks, {total_tokens:,} tokens, {size(total_bytes)}")
+    line(con, f"{len(shown)} namespace(s), {total_chunks:,} chunks, {total_tokens:,} tokens, "
+              f"{size(total_bytes)}{hidden}")
     if unreadable:
         line(con, f"[yellow]{unreadable} chunk(s) have unreadable headers; run 'kvtier verify {escape(root)}'[/]")
     return 0

@@ -153,6 +153,19 @@ def test_evict(fresh_store: Built, capsys: pytest.CaptureFixture[str]) -> None:
     assert not set(final) & set(b.keys[qwen])
     assert set(final) == set(after) - set(b.keys[qwen])
 
+    # The emptied namespace stays registered, but the table lists it only with --all.
+    table = run_main(capsys, "ls", b.path)
+    assert table.returncode == 0 and "qwen-mini" not in table.stdout and "tiny-llama" in table.stdout
+    assert "1 namespace(s)" in table.stdout
+    assert "1 empty namespace(s) not shown (--all lists them)" in table.stdout
+    every = run_main(capsys, "ls", b.path, "--all")
+    assert "qwen-mini" in every.stdout and "2 namespace(s)" in every.stdout
+    listed = json.loads(run_main(capsys, "ls", b.path, "--json").stdout)
+    assert {n["model"]: n["chunks"] for n in listed["namespaces"]}["qwen-mini"] == 0
+    run_main(capsys, "evict", b.path, "--all")
+    nothing = run_main(capsys, "ls", b.path)
+    assert "no chunks stored; 2 empty namespace(s) not shown" in nothing.stdout
+
 
 def test_compact(built_stores: dict[str, Built], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lm, busy = tmp_path / "lmdb", tmp_path / "busy"
