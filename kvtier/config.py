@@ -167,10 +167,14 @@ class CacheConfig:
             if self.remote_queue_bytes == 0:
                 raise ConfigError("remote_queue_bytes: must be above 0 when remote is set, e.g. 256M")
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["path"] = str(self.path)
-        return d
+    def __repr__(self) -> str:
+        # a password written into the remote URL is hidden like remote_password (never logged)
+        from kvtier.remote.address import redact
+
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+        values["remote"] = redact(self.remote)
+        shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
+        return f"CacheConfig({shown})"
 
 
 def _store_backend(path: Path) -> str | None:

@@ -41,7 +41,6 @@ class Counters:
     remote_dropped: int = 0  # uploads not done: queue full, server down or refusing writes
     remote_errors: int = 0  # operations that found the server unavailable (each a miss)
     remote_corrupt: int = 0  # damaged remote records (removed; a miss)
-    remote_incomplete: int = 0  # chunks whose parts the server had evicted (a miss)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

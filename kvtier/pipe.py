@@ -59,11 +59,13 @@ def _message_key(name: str, which: str) -> bytes:
 
 class KVPipe:
     """One named pipe in a shared store: ``where`` is a ``redis://``, ``rediss://`` or
-    ``redis+cluster://`` address, or a directory both sides can reach."""
+    ``redis+cluster://`` address, or a directory both sides can reach. ``password`` and
+    ``tls_ca`` are the remote tier's ``remote_password`` and ``remote_tls_ca``, for a Redis pipe."""
 
     def __init__(self, where: str | Path, name: str, *, device: str = "cpu",
                  timeout_s: float = 5.0, max_tensor_bytes: int = 1 << 30,
-                 skip_after_s: float = 5.0) -> None:
+                 skip_after_s: float = 5.0, password: str | None = None,
+                 tls_ca: str | None = None) -> None:
         if not name or "/" in name or "\0" in name:
             raise ConfigError(f"pipe name {name!r}: must be non-empty, without '/' or NUL")
         if skip_after_s < 0:
@@ -82,8 +84,10 @@ class KVPipe:
         self._counts = {"received": 0, "skipped": 0, "damaged": 0}
         _register_with_vllm()
         if str(where).startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
-            self._store: _Store = _RedisStore(str(where), name, timeout_s)
+            self._store: _Store = _RedisStore(str(where), name, timeout_s, password, tls_ca)
         else:
+            if password is not None or tls_ca is not None:
+                raise ConfigError("password and tls_ca are for a Redis pipe; a directory pipe has neither")
             self._store = _DirStore(Path(where), name)
 
     # -- vLLM's KVPipeBase contract ----------------------------------------------------
@@ -251,14 +255,14 @@ class _Store:
 class _RedisStore(_Store):
     """Messages as remote-tier records; counters as Redis integers next to them."""
 
-    def __init__(self, url: str, name: str, timeout_s: float) -> None:
+    def __init__(self, url: str, name: str, timeout_s: float, password: str | None,
+                 tls_ca: str | None) -> None:
         from kvtier.metrics import Counters
         from kvtier.remote.tier import RemoteTier
 
-        self.tier = RemoteTier(url=url, password=None, timeout_s=timeout_s, part_bytes=4 << 20,
-                               queue_bytes=1, counters=Counters(), writer=False)
+        self.tier = RemoteTier(url=url, password=password, timeout_s=timeout_s, part_bytes=4 << 20,
+                               queue_bytes=1, counters=Counters(), writer=False, tls_ca=tls_ca)
         self.name = name
-        self._parts: dict[bytes, list[str] | None] = {}
 
     def _counter(self, counter: str, op: str, to: int = 0) -> int:
         k = f"kvpipe:{{{self.name}}}:{counter}"
@@ -272,7 +276,10 @@ class _RedisStore(_Store):
                 p.get(k)  # type: ignore[attr-defined]
 
         try:
-            ((node, client, _),) = self.tier.nodes.route([k])
+            routes = self.tier.nodes.route([k])
+            if not routes:  # a cluster slot no node serves now (a failover under way)
+                raise OSError(f"kvtier pipe {self.name!r}: no cluster node serves its counters now")
+            ((node, client, _),) = routes
             (reply,) = self.tier.nodes.run(node, client, build)
         except NodeUnavailable as exc:
             raise OSError(f"kvtier pipe {self.name!r}: the server is unavailable ({exc})") from exc
@@ -302,19 +309,13 @@ class _RedisStore(_Store):
         try:
             rec = self.tier.fetch_checked(key)
         except DamagedRemoteRecord as exc:
-            self._parts[key] = exc.part_names  # None: unknown, delete() purges
             raise RecordError(f"kvtier pipe {self.name!r}: a damaged message ({exc})") from exc
         if rec is None:
             return None
-        self._parts[key] = rec.part_names
         return rec.header, list(rec.pieces)
 
     def delete(self, key: bytes) -> None:
-        parts = self._parts.pop(key, ())
-        if parts is None:  # its manifest was unreadable: find its parts to delete them
-            self.tier.purge(key)
-        else:
-            self.tier.delete(key, parts)
+        self.tier.delete(key)
 
     def close(self) -> None:
         self.tier.close(0)

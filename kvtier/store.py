@@ -131,6 +131,7 @@ class ChunkStore:
         self._touched: dict[bytes, int] = {}
         self._cv = threading.Condition()
         self._closed = False
+        self._usage_at_close: tuple[int, int] = (0, 0)
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
         self._start_writer()
         _LIVE_STORES.add(self)
@@ -808,7 +809,8 @@ class ChunkStore:
 
     # -- lifecycle -------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
-        records, nbytes = self.backend.usage()
+        """Counters and usage; after :meth:`close`, the counters and the usage at close."""
+        records, nbytes = self._usage_at_close if self._closed else self.backend.usage()
         with self._cv:
             queued = self._queued_bytes
         return {
@@ -836,6 +838,10 @@ class ChunkStore:
         drained = True
         if flush and not self.readonly:
             drained = self.flush(timeout)
+        try:  # what stats() says from now on
+            self._usage_at_close = self.backend.usage()
+        except Exception as exc:  # (an index that broke meanwhile): stats say 0
+            log.debug("kvtier: usage at close unreadable: %s", exc)
         with self._cv:
             if self._queue:  # abandon what is still queued, counted as dropped
                 self.counters.add(dropped_saves=len(self._queue))

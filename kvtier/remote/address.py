@@ -38,11 +38,26 @@ class RemoteAddress:
         return f"{scheme}://{hosts}" + (f"/{self.db}" if self.db else "")
 
 
+_MAX_DB = 2**31 - 1  # Redis's `databases` setting is an int
+
+
+def redact(url: object) -> object:
+    """``url`` with the credentials before its last ``@`` hidden (the user name kept), for
+    messages and logs; well-formed or not, so a mistyped URL's password is not printed."""
+    if not isinstance(url, str) or "@" not in url:
+        return url
+    at = url.rfind("@")
+    start = url.find("://")
+    start = start + 3 if 0 <= start < at else 0
+    user, sep, _ = url[start:at].partition(":")
+    return url[:start] + (f"{user}:***" if sep else "***") + url[at:]
+
+
 def parse_remote(url: object, password: str | None = None) -> RemoteAddress:
     """Parse the ``remote`` setting; a :class:`ConfigError` says what is wrong and the form."""
     form = "expected redis://HOST:PORT[/DB], rediss://..., or redis+cluster://HOST:PORT[,HOST:PORT...]"
     if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(f"remote: {url!r} is not a server address; {form}")
+        raise ConfigError(f"remote: {redact(url)!r} is not a server address; {form}")
     scheme, rest = url.split("://", 1)
     if scheme.lower() not in _SCHEMES:
         raise ConfigError(f"remote: unknown scheme {scheme!r}; {form}")
@@ -63,13 +78,16 @@ def parse_remote(url: object, password: str | None = None) -> RemoteAddress:
         if not db_part.isdigit():
             raise ConfigError(f"remote: database {db_part!r} must be a number; {form}")
         db = int(db_part)
+        if db > _MAX_DB:
+            raise ConfigError(f"remote: database {db_part} is out of range (0 to {_MAX_DB})")
         if cluster and db:
             raise ConfigError("remote: Redis Cluster has only database 0; drop the /DB part")
     nodes = []
     for hp in hosts.split(","):
         host, sep, port = hp.strip().rpartition(":")
         host = host.strip("[]")  # IPv6 literals: [::1]:6379
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or any(c.isspace() or c in "/@" for c in host) or not port.isdigit() \
+                or not 0 < int(port) < 65536:
             raise ConfigError(f"remote: {hp!r} is not HOST:PORT (a port from 1 to 65535); {form}")
         nodes.append((host, int(port)))
     if len(nodes) > 1 and not cluster:

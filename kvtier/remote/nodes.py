@@ -231,6 +231,14 @@ class RedisNodes:
                 breaker.failed()
                 self._refresh_later()
             raise NodeUnavailable(f"{node}: {exc}") from exc
+        except self._redis.RedisError as exc:
+            # raised, not returned (raise_on_error=False returns each command's own error):
+            # the connection's set-up was refused, e.g. SELECT of a database the server does
+            # not have, or a server that wants a password none was given for. It will be
+            # refused again: back off like a down node.
+            breaker.failed()
+            raise NodeUnavailable(f"{node}: the server refused the connection's set-up ({exc}); "
+                                  "check the address's database and the credentials") from exc
         breaker.succeeded()
         moved = (self._redis.exceptions.MovedError, self._redis.exceptions.AskError)
         if any(isinstance(r, moved) for r in replies):

@@ -1,18 +1,21 @@
 """The remote tier: chunk records on a Redis (or Valkey) server or cluster, shared by servers.
 
-A chunk is stored as a small manifest value and its payload in parts::
+A chunk is one Redis hash: a small manifest and its payload in parts::
 
-    kvt:{<key hex>}                   manifest: b"KVTR" | version u8 | flags u8 | parts u16
-                                      | payload_len u64 | write_id 8B | record header | xxh3_64
-    kvt:{<key hex>}:<write_id>:<i>    payload part i (``remote_part_bytes`` each)
+    kvt2:{<key hex>}   field "m": b"KVTR" | version u8 | flags u8 | parts u32 | payload_len u64
+                                 | write_id 8B | record header | xxh3_64
+                       fields "0", "1", ...: payload part i (``remote_part_bytes`` each)
 
-The ``{...}`` hash tag keeps a chunk's values on one cluster node, so one pipeline writes
-and reads them. Parts are written before the manifest, so a chunk is visible only once all
-of its parts are; a write id names each writer's parts, so two writers of one chunk never
-mix. The record header and payload are kvtier's self-verifying record: a damaged,
-truncated or mixed value fails its checksum and is a miss, never wrong KV. The server's
-own eviction (``maxmemory`` with an LRU policy) is the remote budget: a manifest whose parts
-were evicted is a miss too.
+One key per chunk, written by one ``HSET`` and read by one ``HGETALL``, so the server
+stores, evicts and refuses a chunk whole: under ``allkeys-lru`` it never keeps some parts
+of a chunk without the others (one key per part did: the LRU clock's one-second resolution
+evicts same-second keys at random, so most chunks lost a part and lookups promised chunks
+that loads could not read), a write the server refuses (``noeviction``) leaves nothing
+behind, and a reader sees one writer's whole chunk or nothing. Parts keep each value under
+Redis's 512 MiB limit per argument. The ``{...}`` hash tag routes a chunk's key on a
+cluster. The record header and payload are kvtier's self-verifying record: a damaged or
+truncated value fails its checksum and is a miss, never wrong KV. The server's own eviction
+(``maxmemory`` with an LRU policy) is the remote budget.
 """
 
 from __future__ import annotations
@@ -37,22 +40,25 @@ from kvtier.remote.nodes import NodeUnavailable, RedisNodes
 
 log = logging.getLogger("kvtier")
 
-_MANIFEST = struct.Struct("<4sBBHQ8s")
+_MANIFEST = struct.Struct("<4sBBIQ8s")
 _MAGIC = b"KVTR"
-_VERSION = 1
+_VERSION = 2  # 1: a manifest key and one key per part (kvt:{...}), which kvtier no longer reads
+_MANIFEST_FIELD = b"m"
 _SUM = struct.Struct("<Q")
 WRITE_BATCH_BYTES = 64 << 20  # one pipeline per node per batch of writes
-# Which of KEYS exist, as a string of "0"/"1": a 512-chunk lookup in one command and a
-# 512-byte reply. Its keys may lie in several slots of one cluster node (Redis 7 flag).
+# Which of the keys exist, as a string of "0"/"1": a 512-chunk lookup in one command and a
+# 512-byte reply. The keys are arguments, not declared KEYS: a cluster refuses declared keys
+# of several slots (CROSSSLOT) even with the flag, which lets the script read keys of every
+# slot its node serves (the caller sends each node only its own keys).
 _EXISTS_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
 local r = {}
-for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end
+for i, k in ipairs(ARGV) do r[i] = redis.call('EXISTS', k) end
 return table.concat(r)
 """
 _EXISTS_SHA = hashlib.sha1(_EXISTS_LUA.encode()).hexdigest()
-# Delete KEYS (a manifest and parts) only if the manifest still holds ARGV[1].
+# Delete KEYS[1] only if its manifest still holds ARGV[1] (not one rewritten since).
 _DELETE_IF_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', unpack(KEYS)) end
+if redis.call('HGET', KEYS[1], 'm') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -61,6 +67,22 @@ def _transient_errors() -> tuple[type, ...]:
     from redis import exceptions as e
 
     return (e.MovedError, e.AskError, e.TryAgainError, e.BusyLoadingError, e.ClusterDownError)
+
+
+def _is_transient(reply: object) -> bool:
+    """An error reply that may not recur: a slot moving, a loading server, or one busy with
+    another client's long script (``BUSY``, which redis-py gives no class of its own)."""
+    from redis.exceptions import ResponseError
+
+    return isinstance(reply, _transient_errors()) or (
+        isinstance(reply, ResponseError) and str(reply).startswith("BUSY"))
+
+
+def _is_wrong_type(reply: object) -> bool:
+    """A value of another type under a chunk's key: not a record of this format."""
+    from redis.exceptions import ResponseError
+
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 def _is_oom(reply: object) -> bool:
@@ -78,12 +100,9 @@ def _is_noscript(reply: object) -> bool:
     return isinstance(reply, NoScriptError)
 
 
-def manifest_name(key: bytes) -> str:
-    return f"kvt:{{{key.hex()}}}"
-
-
-def part_name(key: bytes, write_id: bytes, i: int) -> str:
-    return f"kvt:{{{key.hex()}}}:{write_id.hex()}:{i}"
+def chunk_name(key: bytes) -> str:
+    """The Redis key of a chunk's hash."""
+    return f"kvt2:{{{key.hex()}}}"
 
 
 def pack_manifest(header: bytes, payload_len: int, parts: int, write_id: bytes) -> bytes:
@@ -92,7 +111,8 @@ def pack_manifest(header: bytes, payload_len: int, parts: int, write_id: bytes) 
 
 
 def unpack_manifest(value: bytes) -> tuple[bytes, int, int, bytes]:
-    """``(record header, payload_len, parts, write_id)``; :class:`RecordError` if damaged."""
+    """``(record header, payload_len, parts, write_id)``; :class:`RecordError` if damaged,
+    :class:`IncompatibleRecord` if intact but of another format version."""
     if len(value) < _MANIFEST.size + _SUM.size or len(value) > _MANIFEST.size + MAX_HEADER_BYTES + _SUM.size:
         raise RecordError(f"remote manifest of {len(value)} bytes is malformed")
     body, (stored,) = value[: -_SUM.size], _SUM.unpack_from(value, len(value) - _SUM.size)
@@ -114,30 +134,22 @@ class RemoteRecord:
 
     header: bytes
     pieces: list[bytes]
-    part_names: list[str]
     manifest: bytes = b""  # the manifest value read: deletes check it is still the same
 
 
 class DamagedRemoteRecord(RecordError):
     """:meth:`RemoteTier.fetch_checked`: the record is there but cannot be read (a damaged
-    manifest, another format version, or a part missing). ``part_names``: its parts as the
-    manifest names them, or None where the manifest is unreadable (see :meth:`RemoteTier.purge`)."""
-
-    def __init__(self, message: str, part_names: list[str] | None) -> None:
-        super().__init__(message)
-        self.part_names = part_names
+    manifest, a missing part, or a value that is not a chunk's hash)."""
 
 
 @dataclass
 class _Read:
-    """What one key's manifest and parts were found to be (:meth:`RemoteTier._read`); what
-    to do about it is the caller's: a load misses and cleans up, the KV pipe raises."""
+    """What one key's hash was found to be (:meth:`RemoteTier._read`); what to do about it
+    is the caller's: a load misses and cleans up, the KV pipe raises."""
 
     record: RemoteRecord | None = None  # all of it, not yet verified
     manifest: bytes | None = None  # the manifest value read, if one was
-    damage: RecordError | None = None  # the manifest is unreadable (IncompatibleRecord: another version's)
-    part_names: list[str] | None = None  # as the manifest names them
-    missing_part: bool = False  # a part is gone (evicted)
+    damage: RecordError | None = None  # unreadable (IncompatibleRecord: another version's, kept)
     error: object = None  # an error reply (a slot moving, a loading server): may be whole later
 
 
@@ -227,7 +239,7 @@ class RemoteTier:
         script that checks them all), or one pipeline of EXISTS where scripts are refused."""
         if not keys:
             return 0
-        names = [manifest_name(k) for k in keys]
+        names = [chunk_name(k) for k in keys]
         present = [False] * len(keys)
         try:
             for node, client, idx in self.nodes.route(names):
@@ -242,33 +254,32 @@ class RemoteTier:
 
     def _exists(self, node: str, client: object, names: list[str]) -> list[bool]:
         if self._scripts:
-            reply = self.nodes.run(node, client, lambda p: p.evalsha(_EXISTS_SHA, len(names), *names))[0]
+            reply = self.nodes.run(node, client, lambda p: p.evalsha(_EXISTS_SHA, 0, *names))[0]
             if _is_noscript(reply):  # first use on this server (or after a restart): send it
-                reply = self.nodes.run(node, client, lambda p: p.eval(_EXISTS_LUA, len(names), *names))[0]
+                reply = self.nodes.run(node, client, lambda p: p.eval(_EXISTS_LUA, 0, *names))[0]
             if isinstance(reply, bytes) and len(reply) == len(names):
                 return [c == 0x31 for c in reply]
-            if isinstance(reply, _transient_errors()):  # a slot moving, a busy server: misses now
+            if _is_transient(reply):  # a slot moving, a busy server: misses now, scripts kept
                 return [False] * len(names)
-            # scripts refused (disabled, or a server older than Redis 7): EXISTS from now on
+            # scripts refused (disabled, an ACL, a server older than Redis 7): EXISTS from now on
             self._scripts = False
-            log.info("kvtier: remote tier %s runs no lookup script (%s); using pipelined EXISTS",
+            log.info("kvtier: remote tier %s refused the lookup script (%s); using pipelined EXISTS",
                      self.address.describe(), reply)
         replies = self.nodes.run(node, client, lambda p: [p.exists(n) for n in names])
         return [r == 1 for r in replies]
 
     # -- loads ---------------------------------------------------------------------------
     def fetch(self, key: bytes) -> RemoteRecord | None:
-        """The chunk's record, or None (not there, parts evicted, damaged manifest, or the
-        server unavailable)."""
+        """The chunk's record, or None (not there, damaged, or the server unavailable)."""
         return self.fetch_many([key])[0]
 
     def _fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
-        """Records for ``keys`` in two pipelined round trips per node (manifests, then parts),
-        not yet verified: pass them to :func:`kvtier.codec.decode_pieces`, and a record that
-        fails there to :meth:`discard_corrupt`."""
+        """Records for ``keys`` in one pipelined round trip per node, not yet verified: pass
+        them to :func:`kvtier.codec.decode_pieces`, and a record that fails there to
+        :meth:`discard`."""
         out: list[RemoteRecord | None] = [None] * len(keys)
         try:
-            routes = self.nodes.route([manifest_name(k) for k in keys])
+            routes = self.nodes.route([chunk_name(k) for k in keys])
         except NodeUnavailable as exc:
             self._unavailable("a load", exc)
             return out
@@ -282,56 +293,53 @@ class RemoteTier:
                 out[i] = r.record
                 if r.damage is not None and not isinstance(r.damage, IncompatibleRecord):
                     self.discard_corrupt(keys[i], r.damage, r.manifest)
-                elif r.missing_part:  # the chunk is gone
-                    self.counters.add(remote_incomplete=1)
-                    self.delete(keys[i], expect=r.manifest)
                 # absent, another version's, or an error reply: a miss, nothing deleted
         return out
 
     def _read(self, node: str, client: object, keys: list[bytes]) -> list[_Read]:
-        """Read ``keys``' manifests, then the parts they name, from one node in two pipelined
-        round trips; judge nothing but what was found (no counter, no delete)."""
-        names = [manifest_name(k) for k in keys]
+        """Read ``keys``' hashes from one node in one pipelined round trip; judge nothing but
+        what was found (no counter, no delete)."""
+        names = [chunk_name(k) for k in keys]
         reads = [_Read() for _ in keys]
-        manifests = self.nodes.run(node, client, lambda p: [p.get(n) for n in names])
-        wanted: list[tuple[_Read, bytes]] = []
-        for key, r, value in zip(keys, reads, manifests, strict=True):
-            if value is None:
-                continue
-            if not isinstance(value, bytes):
+        replies = self.nodes.run(node, client, lambda p: [p.hgetall(n) for n in names])
+        for r, value in zip(reads, replies, strict=True):
+            if _is_wrong_type(value):
+                r.damage = RecordError("the chunk's key holds a value that is not a chunk's hash")
+            elif not isinstance(value, dict):
                 r.error = value
-                continue
-            r.manifest = value
-            try:
-                header, _, parts, wid = unpack_manifest(value)
-            except RecordError as exc:  # IncompatibleRecord too
-                r.damage = exc
-                continue
-            r.part_names = [part_name(key, wid, j) for j in range(parts)]
-            wanted.append((r, header))
-        if not wanted:
-            return reads
-        replies = self.nodes.run(node, client, lambda p: [p.get(n) for r, _ in wanted for n in r.part_names])
-        at = 0
-        for r, header in wanted:
-            pieces = replies[at : at + len(r.part_names)]
-            at += len(r.part_names)
-            if any(piece is None for piece in pieces):
-                r.missing_part = True
-            elif all(isinstance(piece, bytes) for piece in pieces):
-                r.record = RemoteRecord(header, pieces, r.part_names, r.manifest)
-            else:
-                r.error = next(piece for piece in pieces if not isinstance(piece, bytes))
+            elif value:  # an empty dict: absent
+                self._judge(r, value)
         return reads
+
+    @staticmethod
+    def _judge(r: _Read, fields: dict[bytes, bytes]) -> None:
+        """Fill ``r`` from a chunk's hash: the record, or what is wrong with it."""
+        manifest = fields.get(_MANIFEST_FIELD)
+        if manifest is None:  # a hash kvtier did not write whole (one HSET writes all)
+            r.damage = RecordError("the chunk's hash has no manifest")
+            return
+        r.manifest = manifest
+        try:
+            header, payload_len, parts, _ = unpack_manifest(manifest)
+        except RecordError as exc:  # IncompatibleRecord too
+            r.damage = exc
+            return
+        pieces = [fields.get(str(j).encode()) for j in range(parts)]
+        if any(piece is None for piece in pieces):
+            r.damage = RecordError(f"the chunk's hash lacks parts its manifest names ({parts})")
+        elif sum(len(piece) for piece in pieces) != payload_len:  # type: ignore[arg-type]
+            r.damage = RecordError("the chunk's parts do not add up to the payload its manifest names")
+        else:
+            r.record = RemoteRecord(header, pieces, manifest)  # type: ignore[arg-type]
 
     def fetch_checked(self, key: bytes) -> RemoteRecord | None:
         """One record, for a caller that must tell "absent" from "there but unusable" (the KV
         pipe, whose consumer would otherwise wait for a message that never becomes readable).
-        None: absent. Raises :class:`DamagedRemoteRecord` for a damaged manifest, one of
-        another format version, or a missing part; ``OSError`` when the server cannot say now
-        (down, slow, an error reply). Counts like a load, deletes nothing: the caller decides
-        (:meth:`delete` with the part names, else :meth:`purge`). Not verified: the codec does that."""
-        name = manifest_name(key)
+        None: absent. Raises :class:`DamagedRemoteRecord` for a damaged record, one of another
+        format version, or a value that is not a chunk's hash; ``OSError`` when the server
+        cannot say now (down, slow, an error reply). Counts like a load, deletes nothing: the
+        caller decides (:meth:`delete`). Not verified: the codec does that."""
+        name = chunk_name(key)
         try:
             routes = self.nodes.route([name])
             if not routes:
@@ -343,57 +351,30 @@ class RemoteTier:
             raise OSError(f"remote tier {self.address.describe()} unavailable ({exc})") from exc
         if r.damage is not None:  # unreadable here, whichever version wrote it
             self.counters.add(remote_corrupt=1)
-            raise DamagedRemoteRecord(f"remote manifest unreadable: {r.damage}", None) from r.damage
-        if r.missing_part:
-            self.counters.add(remote_incomplete=1)
-            raise DamagedRemoteRecord("a part of the record is missing (evicted?)", r.part_names)
+            raise DamagedRemoteRecord(f"remote record unreadable: {r.damage}") from r.damage
         if r.error is not None:  # the record may be whole, later
             raise OSError(f"remote tier {self.address.describe()}: {r.error}")
         return r.record
 
-    def purge(self, key: bytes) -> None:
-        """Delete a record whose manifest cannot be read, with every part stored under its key
-        (found by SCAN on its node, as the manifest that named them is unreadable). A repair
-        for rare damage, O(keys on that node): never on a load path. Never raises."""
-        name = manifest_name(key)
-        pattern = f"{name}:*"  # hex digits and braces: nothing glob-special
-        try:
-            for node, client, _ in self.nodes.route([name]):  # one hash tag: one node
-                cursor, doomed = 0, [name]
-                while True:
-                    (reply,) = self.nodes.run(node, client, lambda p, c=cursor: p.scan(c, match=pattern, count=1000))
-                    if isinstance(reply, Exception):
-                        break  # SCAN refused (an ACL): the manifest goes, parts wait for eviction
-                    cursor, found = reply
-                    doomed += found
-                    if not cursor:
-                        break
-                self.nodes.run(node, client, lambda p, d=doomed: p.delete(*d))
-        except NodeUnavailable as exc:
-            self._unavailable("a delete", exc)
-        except Exception as exc:  # never raise a remote fault into the caller
-            self._unexpected("a delete", exc)
-
-    def discard_corrupt(self, key: bytes, why: Exception, manifest: bytes) -> None:
+    def discard_corrupt(self, key: bytes, why: Exception, manifest: bytes | None) -> None:
         """A remote record proven damaged: count it and delete it (a miss from now on),
-        unless it was rewritten since ``manifest`` was read."""
+        unless it was rewritten since ``manifest`` was read (None: no manifest was readable
+        as a hash field: the key is not a chunk this format can rewrite, and goes)."""
         self.counters.add(remote_corrupt=1)
         self._warn("corrupt", "kvtier: corrupt remote record %s (%s); removed, will recompute",
                    key.hex()[:16], why)
         self.delete(key, expect=manifest)
 
-    def delete(self, key: bytes, part_names: Sequence[str] = (), *, expect: bytes | None = None) -> None:
-        """Hide a chunk (its manifest), and delete ``part_names`` (a fetched record's). With
-        ``expect``, only if the manifest still holds that value (one script on the node):
-        a copy another server stored meanwhile is kept. Parts not named are left to the
-        server's eviction: another writer's parts may be in use under a newer manifest."""
-        names = [manifest_name(key), *part_names]
+    def delete(self, key: bytes, *, expect: bytes | None = None) -> None:
+        """Delete a chunk (its one key). With ``expect``, only if its manifest still holds
+        that value (one script on the node): a copy another server stored meanwhile is kept."""
+        name = chunk_name(key)
         try:
-            for node, client, _ in self.nodes.route(names[:1]):  # one hash tag: one node
+            for node, client, _ in self.nodes.route([name]):
                 if expect is None:
-                    self.nodes.run(node, client, lambda p: p.delete(*names))
+                    self.nodes.run(node, client, lambda p: p.delete(name))
                 else:
-                    self.nodes.run(node, client, lambda p: p.eval(_DELETE_IF_LUA, len(names), *names, expect))
+                    self.nodes.run(node, client, lambda p: p.eval(_DELETE_IF_LUA, 1, name, expect))
         except NodeUnavailable as exc:
             self._unavailable("a delete", exc)
         except Exception as exc:  # never raise a remote fault into a load
@@ -405,7 +386,7 @@ class RemoteTier:
         many were written. Failures are counted, never raised."""
         if not items:
             return 0
-        names = [manifest_name(k) for k, _, _ in items]
+        names = [chunk_name(k) for k, _, _ in items]
         written = 0
         try:
             routes = self.nodes.route(names)
@@ -413,39 +394,32 @@ class RemoteTier:
             self._unavailable("a save", exc)
             self.counters.add(remote_dropped=len(items))
             return 0
+        routed = sum(len(idx) for _, _, idx in routes)
+        if routed < len(items):  # keys of a slot no node serves (a cluster mid-failover)
+            self.counters.add(remote_dropped=len(items) - routed)
         for node, client, idx in routes:
             todo = list(idx)  # what a failure drops: all, then only those not there already
-            commands: list[tuple[int, bytes]] = []  # per item of todo: (commands, manifest)
             try:
                 there = self.nodes.run(node, client, lambda p, idx=idx: [p.exists(names[i]) for i in idx])
                 todo = [i for i, r in zip(idx, there, strict=True) if r != 1]
                 if not todo:
                     continue
-                replies = self.nodes.run(node, client, lambda p, todo=todo, commands=commands: commands.extend(
-                    self._add_sets(p, items[i]) for i in todo))
+                # one HSET per chunk: the server stores or refuses each chunk whole
+                replies = self.nodes.run(node, client, lambda p, todo=todo: [
+                    self._add_hset(p, names[i], items[i]) for i in todo])
             except NodeUnavailable as exc:
                 self._unavailable("a save", exc)
                 self.counters.add(remote_dropped=len(todo))
                 continue
-            # one item's replies are its parts' SETs then its manifest's: judge each item by
-            # its own, so one refused command drops one chunk, not the whole pipeline
-            at, done, refused = 0, [], []
-            for i, (n, manifest) in zip(todo, commands, strict=True):
-                errors = [r for r in replies[at : at + n] if isinstance(r, Exception)]
-                if not errors:
-                    done.append(i)
-                else:
-                    refused.append(errors[0])
-                    if not isinstance(replies[at + n - 1], Exception):  # a manifest over a missing part
-                        self.delete(items[i][0], expect=manifest)
-                at += n
+            done = [i for i, r in zip(todo, replies, strict=True) if not isinstance(r, Exception)]
+            refused = [r for r in replies if isinstance(r, Exception)]
             if refused:
                 self.counters.add(remote_dropped=len(refused))
                 oom = next((r for r in refused if _is_oom(r)), None)
                 if oom is not None:
                     self._warn("refused", "kvtier: remote tier %s refused writes (%s); set maxmemory-policy "
                                "to allkeys-lru so the server evicts instead", self.address.describe(), oom)
-                elif not all(isinstance(r, _transient_errors()) for r in refused):
+                elif not all(_is_transient(r) for r in refused):
                     self._warn("refused-other", "kvtier: remote tier %s refused writes (%s)",
                                self.address.describe(), refused[0])
                 # a slot moving (MOVED, ASK, TRYAGAIN): those chunks are dropped, counted, and
@@ -455,18 +429,16 @@ class RemoteTier:
                               remote_bytes_saved=sum(len(items[i][1]) + items[i][2].nbytes for i in done))
         return written
 
-    def _add_sets(self, pipe: object, item: tuple[bytes, bytes, memoryview]) -> tuple[int, bytes]:
-        """Queue one record's SETs on ``pipe``: ``(how many commands, the manifest value)``."""
-        key, header, payload = item
+    def _add_hset(self, pipe: object, name: str, item: tuple[bytes, bytes, memoryview]) -> None:
+        """Queue one record's ``HSET`` (manifest and every part) on ``pipe``."""
+        _, header, payload = item
         payload = memoryview(payload).cast("B")
-        wid = os.urandom(8)
         pb = self.part_bytes
         parts = max(1, -(-payload.nbytes // pb))
+        fields: list[object] = [_MANIFEST_FIELD, pack_manifest(header, payload.nbytes, parts, os.urandom(8))]
         for i in range(parts):
-            pipe.set(part_name(key, wid, i), payload[i * pb : (i + 1) * pb])
-        manifest = pack_manifest(header, payload.nbytes, parts, wid)
-        pipe.set(manifest_name(key), manifest)  # last: visible
-        return parts + 1, manifest
+            fields += [str(i).encode(), payload[i * pb : (i + 1) * pb]]
+        pipe.execute_command("HSET", name, *fields)  # type: ignore[attr-defined]
 
     def enqueue(self, key: bytes, header: bytes, payload: memoryview) -> bool:
         """Write-behind: queue a record for the remote tier. False (counted) if the queue's

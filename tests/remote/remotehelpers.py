@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from kvtier import CacheConfig, KVCache, Namespace
+from kvtier.keys import chain_seed
+from kvtier.keys import chunk_keys as chunk_keys_of
 
 KV_SHAPE = (2, 2, 4, 32)  # layers, k/v, kv_heads, head_dim
 CHUNK = 32
@@ -28,6 +30,11 @@ def open_cache(path: Path, remote: str | None, **kw: Any) -> KVCache:
     return KVCache.open(path, namespace(), cfg, tail_granularity=8)
 
 
+def keys_of(toks: np.ndarray) -> list[bytes]:
+    """The chunk keys a cache of :func:`open_cache` stores ``toks`` under."""
+    return [ref.key for ref in chunk_keys_of(toks, chain_seed(namespace()), CHUNK)]
+
+
 def tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int64).astype(np.uint32)
 
@@ -38,8 +45,9 @@ def kv_for(toks: np.ndarray) -> torch.Tensor:
     return torch.randn(KV_SHAPE[0], 2, len(toks), *KV_SHAPE[2:], generator=g)
 
 
-def manifests(client: Any) -> list[bytes]:
-    return [k for k in client.scan_iter(match="kvt:*") if k.count(b":") == 1]
+def chunk_keys(client: Any) -> list[bytes]:
+    """The remote tier's chunks on one server (one hash each)."""
+    return list(client.scan_iter(match="kvt2:*"))
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:

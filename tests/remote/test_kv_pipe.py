@@ -15,7 +15,7 @@ import torch
 
 from kvtier.errors import ConfigError, RecordError
 from kvtier.pipe import KVPipe, _message_key
-from kvtier.remote.tier import manifest_name
+from kvtier.remote.tier import chunk_name
 from kvtier.testing.redis_server import LocalRedis, LocalRedisCluster
 
 PEER = Path(__file__).with_name("_pipe_peer.py")
@@ -35,7 +35,7 @@ def _run_pair(where: str, name: str) -> None:
 
 def test_producer_and_consumer_processes_through_a_redis_server(redis_server: LocalRedis) -> None:
     _run_pair(redis_server.url, "prefill-to-decode")
-    keys = list(redis_server.client().scan_iter(match="kvt:*"))
+    keys = list(redis_server.client().scan_iter(match="kvt2:*"))
     assert keys == []  # every message deleted once received
 
 
@@ -110,28 +110,31 @@ def test_unsupported_tensors_are_refused_before_taking_a_place(tmp_path: Path) -
         assert p.recv_tensor(timeout=1).tolist() == [1.0]
 
 
-@pytest.mark.parametrize("damage", ["manifest", "evicted_part"])
+@pytest.mark.parametrize("damage", ["manifest", "lost_part", "not_a_hash"])
 def test_a_damaged_redis_message_raises_once_and_the_next_one_follows(redis_server: LocalRedis, damage: str) -> None:
-    """A damaged manifest or a part evicted is consumed and raises RecordError once; it used
-    to read as "not sent yet", and every later message waited behind it for ever."""
+    """A damaged manifest, a part gone or another program's value under the message's key
+    is consumed and raises RecordError once; it used to read as "not sent yet", and every
+    later message waited behind it for ever."""
     c = redis_server.client()
     with KVPipe(redis_server.url, "dm") as prod, KVPipe(redis_server.url, "dm") as cons:
         prod.send_tensor(torch.randn(5 << 18))  # 5 MiB: two 4 MiB parts
         prod.send_tensor(torch.ones(3))
-        m1 = manifest_name(_message_key("dm", "seq:1"))
-        parts = sorted(c.scan_iter(match=m1 + ":*"))
-        assert len(parts) == 2
+        m1 = chunk_name(_message_key("dm", "seq:1"))
+        assert sorted(c.hkeys(m1)) == [b"0", b"1", b"m"]
         if damage == "manifest":
-            v = bytearray(c.get(m1))
+            v = bytearray(c.hget(m1, "m"))
             v[30] ^= 0xFF
-            c.set(m1, bytes(v))
+            c.hset(m1, "m", bytes(v))
+        elif damage == "lost_part":
+            c.hdel(m1, "0")
         else:
-            c.delete(parts[0])  # the server evicted a part
+            c.delete(m1)
+            c.set(m1, b"not a message")
         with pytest.raises(RecordError, match="damaged message"):
             cons.recv_tensor(timeout=2)
         assert cons.recv_tensor(timeout=2).tolist() == [1.0, 1.0, 1.0]
         assert cons.stats() == {"received": 1, "skipped": 0, "damaged": 1}
-        assert list(c.scan_iter(match="kvt:*")) == []  # the damaged one's parts too, manifest or not
+        assert list(c.scan_iter(match="kvt2:*")) == []  # the damaged one too
         with pytest.raises(TimeoutError):
             cons.recv_tensor(timeout=0.05)
 
@@ -195,7 +198,7 @@ def test_a_send_stalled_after_taking_its_place_is_skipped(redis_server: LocalRed
         finally:
             prod._store.next_seq = real
         time.sleep(0.9)  # the server is back and the breaker's first back-off (0.5 s) over
-        assert not c.exists(manifest_name(_message_key("s", "seq:1")))  # neither message nor marker
+        assert not c.exists(chunk_name(_message_key("s", "seq:1")))  # neither message nor marker
         prod.send_tensor(torch.ones(4))
         assert cons.recv_tensor(timeout=5).tolist() == [1.0] * 4
         assert cons.stats()["skipped"] == 1

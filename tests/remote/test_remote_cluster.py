@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from remotehelpers import CHUNK, kv_for, manifests, open_cache, tokens
+from remotehelpers import CHUNK, chunk_keys, kv_for, open_cache, tokens
 
 from kvtier.testing.redis_server import LocalRedisCluster
 
@@ -26,7 +26,7 @@ def _save_all(path: Path, url: str) -> None:
 def test_chunks_spread_over_the_nodes_and_load_back(tmp_path: Path, redis_cluster: LocalRedisCluster, form: str) -> None:
     url = redis_cluster.url if form == "seeds" else f"redis://127.0.0.1:{redis_cluster.nodes[1].port}"
     _save_all(tmp_path / "a", url)
-    per_node = [len(manifests(n.client())) for n in redis_cluster.nodes]
+    per_node = [len(chunk_keys(n.client())) for n in redis_cluster.nodes]
     assert sum(per_node) == len(SEQS) and sum(1 for n in per_node if n) >= 2
     with open_cache(tmp_path / "b", url) as b:
         for s in SEQS:
@@ -38,7 +38,7 @@ def test_chunks_spread_over_the_nodes_and_load_back(tmp_path: Path, redis_cluste
 def test_a_killed_node_loses_its_chunks_and_the_rest_keeps_serving(tmp_path: Path, redis_cluster: LocalRedisCluster) -> None:
     _save_all(tmp_path / "a", redis_cluster.url)
     victim = redis_cluster.nodes[0]
-    on_victim = {bytes(m) for m in manifests(victim.client())}
+    on_victim = {bytes(m) for m in chunk_keys(victim.client())}
     assert on_victim
     victim.kill()
     time.sleep(1.5)  # past cluster-node-timeout: the others mark it failed
@@ -50,3 +50,25 @@ def test_a_killed_node_loses_its_chunks_and_the_rest_keeps_serving(tmp_path: Pat
     assert hits == len(SEQS) - len(on_victim)  # every chunk on a live node, none on the dead one
     assert stats["corrupt_records"] == 0 and stats["remote_errors"] >= 1
     assert elapsed < 10
+
+
+def test_lookups_on_a_cluster_run_the_script_on_each_node(tmp_path: Path, redis_cluster: LocalRedisCluster) -> None:
+    """A long prompt's chunks lie in many slots of each node. Declared as a script's KEYS,
+    the cluster refused them (CROSSSLOT) and every lookup fell back to one EXISTS per
+    chunk; passed as arguments, each node answers a whole prompt in one script call."""
+    seqs = [tokens(300 + i, 8 * CHUNK) for i in range(3)]
+    with open_cache(tmp_path / "a", redis_cluster.url) as a:
+        for s in seqs:
+            a.save(s, kv_for(s))
+        assert a.flush(30)
+    for n in redis_cluster.nodes:
+        n.client().config_resetstat()
+    with open_cache(tmp_path / "b", redis_cluster.url) as b:
+        assert [b.lookup(s) for s in seqs] == [8 * CHUNK] * 3
+        assert [b.lookup(s) for s in seqs] == [8 * CHUNK] * 3  # answered by the script again
+    stats = [n.client().info("commandstats") for n in redis_cluster.nodes]
+    errors = [n.client().info("errorstats") for n in redis_cluster.nodes]
+    assert not any("errorstat_CROSSSLOT" in e for e in errors), errors
+    answered = sum(s.get(c, {}).get("calls", 0) - s.get(c, {}).get("failed_calls", 0)
+                   for s in stats for c in ("cmdstat_evalsha", "cmdstat_eval"))
+    assert answered >= 6, stats  # each of the 6 lookups by script on every node it asked

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from remotehelpers import CHUNK, kv_for, manifests, open_cache, tokens, wait_for
+from remotehelpers import CHUNK, chunk_keys, keys_of, kv_for, open_cache, tokens, wait_for
 
 from kvtier import CacheConfig, ConfigError
 from kvtier.metrics import Counters
 from kvtier.remote.address import parse_remote
 from kvtier.remote.nodes import RedisNodes
-from kvtier.remote.tier import RemoteTier, manifest_name
+from kvtier.remote.tier import RemoteTier, chunk_name
 from kvtier.testing.redis_server import LocalRedis
 
 SEQ = tokens(1, 4 * CHUNK + 8)  # four chunks and a tail
@@ -27,7 +27,7 @@ def test_a_second_server_hits_what_the_first_stored_and_promotes_it(tmp_path: Pa
         a.save(SEQ, kv)
         assert a.flush(30)
         assert a.stats()["remote_saves"] == 5
-    assert len(manifests(redis_server.client())) == 5
+    assert len(chunk_keys(redis_server.client())) == 5
     with open_cache(tmp_path / "b", redis_server.url) as b:  # its own, empty local store
         assert b.stats()["disk_records"] == 0
         assert b.lookup(SEQ) == len(SEQ)
@@ -72,37 +72,76 @@ def test_a_dead_server_is_misses_and_counters_and_hits_resume_when_it_is_back(tm
         assert torch.equal(b.load(SEQ), kv)
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate_part", "flip_manifest", "drop_part"])
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate_part", "flip_manifest", "drop_part",
+                                    "drop_manifest", "not_a_hash", "swapped"])
 def test_damaged_values_in_the_server_are_misses(tmp_path: Path, redis_server: LocalRedis, damage: str) -> None:
     seq = tokens(3, CHUNK)  # one chunk: 32 KiB of float32 KV (one 64 KiB part)
+    other = tokens(4, CHUNK)
     kv = kv_for(seq)
     with open_cache(tmp_path / "a", redis_server.url) as a:
         a.save(seq, kv)
+        a.save(other, kv_for(other))
         a.flush(30)
     c = redis_server.client()
-    (manifest,) = manifests(c)
-    (part,) = [k for k in c.scan_iter(match="kvt:*") if k != manifest]
+    mine = chunk_name(keys_of(seq)[0])
+    assert set(chunk_keys(c)) == {mine.encode(), chunk_name(keys_of(other)[0]).encode()}
+    assert sorted(c.hkeys(mine)) == [b"0", b"m"]  # the manifest and one part, in one hash
     if damage == "flip_payload":
-        v = bytearray(c.get(part))
+        v = bytearray(c.hget(mine, "0"))
         v[1000] ^= 0x10
-        c.set(part, bytes(v))
+        c.hset(mine, "0", bytes(v))
     elif damage == "truncate_part":
-        c.set(part, c.get(part)[:-100])
+        c.hset(mine, "0", c.hget(mine, "0")[:-100])
     elif damage == "flip_manifest":
-        v = bytearray(c.get(manifest))
+        v = bytearray(c.hget(mine, "m"))
         v[20] ^= 0x01
-        c.set(manifest, bytes(v))
-    else:
-        c.delete(part)  # the server evicted a part
+        c.hset(mine, "m", bytes(v))
+    elif damage == "drop_part":
+        c.hdel(mine, "0")
+    elif damage == "drop_manifest":
+        c.hdel(mine, "m")
+    elif damage == "not_a_hash":  # another program's value under the key
+        c.delete(mine)
+        c.rpush(mine, b"x")
+    else:  # the other prompt's whole chunk under this one's key
+        c.copy(chunk_name(keys_of(other)[0]), mine, replace=True)
     with open_cache(tmp_path / "b", redis_server.url) as b:
         assert b.load(seq).shape[2] == 0  # a miss: never wrong KV, never an exception
         stats = b.stats()
-        if damage in ("flip_payload", "truncate_part", "flip_manifest"):
-            assert stats["remote_corrupt"] == 1
-        else:
-            assert stats["remote_incomplete"] == 1
-        assert stats["remote_hits"] == 0
-    assert c.get(manifest) is None  # hidden from every server from now on
+        assert stats["remote_corrupt"] == 1 and stats["remote_hits"] == 0
+        assert b.lookup(seq) == 0  # deleted: no lookup promises it again
+        assert torch.equal(b.load(other), kv_for(other))  # the other chunk is untouched
+    assert not c.exists(mine)  # hidden from every server from now on
+
+
+def test_under_lru_eviction_a_chunk_is_evicted_whole(redis_server: LocalRedis) -> None:
+    """A full server under allkeys-lru evicts chunks, never some parts of one: every chunk
+    left is whole, so a lookup promises only what a load delivers. (With a key per part,
+    3 of 58 chunks kept all their parts in a burst like this one.)"""
+    c = redis_server.client()
+    payloads = {os.urandom(32): os.urandom(200_000) for _ in range(160)}  # 4 parts of 64 KiB each
+    c.config_set("maxmemory-policy", "allkeys-lru")
+    c.config_set("maxmemory", str(c.info("memory")["used_memory"] + (8 << 20)))  # room for ~40
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=2.0, part_bytes=1 << 16,
+                      queue_bytes=1, counters=counters, writer=False)
+    try:
+        items = [(k, b"header", memoryview(v)) for k, v in payloads.items()]
+        for i in range(0, len(items), 8):
+            tier.store_many(items[i : i + 8])
+        left = chunk_keys(c)
+        assert 0 < len(left) < len(payloads) // 2  # the server evicted most of them
+        for k in left:
+            assert sorted(c.hkeys(k)) == [b"0", b"1", b"2", b"3", b"m"]
+        for k, v in payloads.items():
+            rec = tier.fetch(k)
+            assert (rec is not None) == (tier.count_present_prefix([k]) == 1)
+            assert rec is None or b"".join(rec.pieces) == v
+        assert counters.snapshot()["remote_corrupt"] == 0
+    finally:
+        tier.close(0)
+        c.config_set("maxmemory", "512mb")
+        c.config_set("maxmemory-policy", "allkeys-lru")
 
 
 def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: Path, redis_server: LocalRedis,
@@ -110,7 +149,7 @@ def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: P
     caplog.set_level(logging.WARNING, logger="kvtier")
     c = redis_server.client()
     c.config_set("maxmemory-policy", "noeviction")
-    c.config_set("maxmemory", str(c.info("memory")["used_memory"] + 10_000))
+    c.config_set("maxmemory", str(c.info("memory")["used_memory"] // 2))  # full already
     try:
         with open_cache(tmp_path / "a", redis_server.url) as a:
             a.save(SEQ, kv_for(SEQ))
@@ -119,6 +158,7 @@ def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: P
             assert stats["remote_dropped"] == 5 and stats["remote_saves"] == 0
             assert stats["saves_committed"] == 5  # the local tier has them all
             assert "set maxmemory-policy to allkeys-lru" in caplog.text  # out of memory: the advice
+        assert chunk_keys(c) == []  # a refused chunk leaves nothing behind (no orphan parts)
     finally:
         c.config_set("maxmemory", "512mb")
         c.config_set("maxmemory-policy", "allkeys-lru")
@@ -162,10 +202,49 @@ def test_password_in_the_url_or_a_setting(tmp_path: Path, tmp_path_factory: pyte
     ("redis://h:1/x", "must be a number"),
     ("redis://a:1,b:2", "several hosts"),
     ("redis+cluster://a:1/2", "only database 0"),
+    ("redis://h :1", "is not HOST:PORT"),
+    ("redis://h:1/99999999999999999999", "out of range"),
+    ("redis:/:hunter2@127.0.0.1:1", "not a server address"),
+    ("redis//user:hunter2@h:1", "not a server address"),
 ])
 def test_bad_addresses_are_refused_with_the_accepted_forms(tmp_path: Path, url: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as err:
         CacheConfig(path=tmp_path, remote=url)
+    assert "hunter2" not in str(err.value)  # a mistyped URL's password is not printed
+
+
+def test_the_config_never_shows_a_password() -> None:
+    cfg = CacheConfig(path=Path("/nonexistent-kvtier"), remote="redis://app:hunter2@h:1", remote_tls_ca=None)
+    shown = repr(cfg)
+    assert "hunter2" not in shown and "redis://app:***@h:1" in shown
+    assert "hunter2" not in repr(CacheConfig(path=Path("/nonexistent-kvtier"), remote="redis://h:1",
+                                             remote_password="hunter2"))
+
+
+def test_a_database_the_server_lacks_is_an_unavailable_server(redis_server: LocalRedis,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """SELECT refused while connecting: misses and a warning that names the cause, never an
+    exception; the node then backs off like a down one (one refusal per back-off)."""
+    from kvtier.pipe import KVPipe
+
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url + "/99", password=None, timeout_s=1.0, part_bytes=1 << 16,
+                      queue_bytes=1, counters=counters, writer=False)
+    try:
+        key = os.urandom(32)
+        assert tier.store_many([(key, b"header", memoryview(b"x"))]) == 0
+        assert [tier.count_present_prefix([key]) for _ in range(20)] == [0] * 20
+        assert tier.fetch(key) is None
+        assert "DB index is out of range" in caplog.text and "check the address's database" in caplog.text
+        assert counters.snapshot()["remote_dropped"] == 1
+    finally:
+        tier.close(0)
+    with KVPipe(redis_server.url + "/99", "p", timeout_s=1.0) as pipe:  # the pipe says so as OSError
+        with pytest.raises(OSError, match="DB index is out of range"):
+            pipe.send_tensor(torch.ones(2))
+        with pytest.raises((OSError, TimeoutError)):
+            pipe.recv_tensor(timeout=0.5)
 
 
 def test_address_forms() -> None:
@@ -247,14 +326,14 @@ def test_a_record_of_another_remote_format_version_is_a_miss_and_kept(tmp_path: 
         a.save(seq, kv_for(seq))
         a.flush(30)
     c = redis_server.client()
-    (manifest,) = manifests(c)
-    body = bytearray(c.get(manifest)[:-8])
+    (chunk,) = chunk_keys(c)
+    body = bytearray(c.hget(chunk, "m")[:-8])
     body[4] = 99  # the manifest format version
-    c.set(manifest, bytes(body) + xxhash.xxh3_64_intdigest(bytes(body)).to_bytes(8, "little"))
+    c.hset(chunk, "m", bytes(body) + xxhash.xxh3_64_intdigest(bytes(body)).to_bytes(8, "little"))
     with open_cache(tmp_path / "b", redis_server.url) as b:
         assert b.load(seq).shape[2] == 0
         assert b.stats()["remote_corrupt"] == 0
-    assert c.get(manifest) is not None  # another kvtier's record: not deleted
+    assert c.hget(chunk, "m") is not None  # another kvtier's record: not deleted
 
 
 def test_a_chunk_the_server_already_has_is_not_uploaded_again(tmp_path: Path, redis_server: LocalRedis) -> None:
@@ -267,7 +346,7 @@ def test_a_chunk_the_server_already_has_is_not_uploaded_again(tmp_path: Path, re
             assert c.flush(30)
             saves.append(c.stats()["remote_saves"])
     assert saves == [5, 0]
-    assert len(manifests(redis_server.client())) == 5
+    assert len(chunk_keys(redis_server.client())) == 5
 
 
 @pytest.mark.parametrize("url", ["rediss://127.0.0.1:6390", "rediss+cluster://127.0.0.1:6390,127.0.0.1:6391"])
@@ -294,26 +373,53 @@ def test_an_upload_after_close_is_counted_as_dropped(redis_server: LocalRedis) -
 def test_one_refused_write_drops_its_own_chunk_not_the_whole_pipeline(redis_server: LocalRedis,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """An ACL user may write only some keys: its chunk there is stored and counted, the
-    others dropped one each; a refusal that is not out-of-memory gives no maxmemory advice.
-    A manifest stored over a refused part is removed (it would be an incomplete chunk)."""
+    others dropped one each, leaving nothing; a refusal that is not out-of-memory gives no
+    maxmemory advice."""
     caplog.set_level(logging.WARNING, logger="kvtier")
-    ok, denied, half = os.urandom(32), os.urandom(32), os.urandom(32)
+    ok, denied = os.urandom(32), os.urandom(32)
     c = redis_server.client()
-    c.acl_setuser("part", enabled=True, passwords=["+pw"], commands=["+@all"],
-                  keys=[manifest_name(ok) + "*", manifest_name(half)])  # half: its manifest, no parts
+    c.acl_setuser("part", enabled=True, passwords=["+pw"], commands=["+@all"], keys=[chunk_name(ok)])
     try:
         counters = Counters()
         tier = RemoteTier(url=redis_server.url.replace("redis://", "redis://part:pw@"), password=None,
                           timeout_s=1.0, part_bytes=1 << 16, queue_bytes=1, counters=counters, writer=False)
         payload = memoryview(os.urandom(100_000))  # two parts each
         try:
-            assert tier.store_many([(k, b"header", payload) for k in (ok, denied, half)]) == 1
+            assert tier.store_many([(k, b"header", payload) for k in (ok, denied)]) == 1
         finally:
             tier.close(0)
         stats = counters.snapshot()
-        assert (stats["remote_saves"], stats["remote_dropped"]) == (1, 2)
-        assert c.exists(manifest_name(ok)) and not c.exists(manifest_name(denied))
-        assert not c.exists(manifest_name(half))
+        assert (stats["remote_saves"], stats["remote_dropped"]) == (1, 1)
+        assert chunk_keys(c) == [chunk_name(ok).encode()]
         assert "refused writes" in caplog.text and "maxmemory-policy" not in caplog.text
     finally:
         c.acl_deluser("part")
+
+
+def test_a_server_busy_with_a_long_script_is_a_miss_not_the_end_of_lookup_scripts(redis_server: LocalRedis) -> None:
+    """BUSY (another client's script running past busy-reply-threshold) passes: that lookup
+    misses, and later lookups still use the script (it used to switch them off for good)."""
+    import threading
+
+    c = redis_server.client()
+    key = os.urandom(32)
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=2.0, part_bytes=1 << 16,
+                      queue_bytes=1, counters=counters, writer=False)
+    c.config_set("busy-reply-threshold", 100)
+    spin = "local t = redis.call('TIME'); local s = t[1] + 2\n" \
+           "while tonumber(redis.call('TIME')[1]) < s do end\nreturn 1"
+    try:
+        assert tier.store_many([(key, b"header", memoryview(b"x" * 1000))]) == 1
+        assert tier.count_present_prefix([key]) == 1
+        busy = threading.Thread(target=lambda: redis_server.client().eval(spin, 0))
+        busy.start()
+        time.sleep(0.5)
+        assert tier.count_present_prefix([key]) == 0  # BUSY: a miss now
+        busy.join()
+        c.config_resetstat()
+        assert tier.count_present_prefix([key]) == 1
+        assert c.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) == 1  # by script
+    finally:
+        tier.close(0)
+        c.config_set("busy-reply-threshold", 5000)

@@ -88,7 +88,10 @@ def test_a_closed_or_read_only_cache_refuses_what_it_would_lose(tmp_path: Path) 
         with pytest.raises(StoreError, match="opened read-only"):
             ro.save(tokens(1, CHUNK), make_kv(tokens(1, CHUNK)))
     cache = open_cache(path, "files")
+    before = cache.stats()
     cache.close()
+    after = cache.stats()  # the counters stay readable after close (a closed index did not)
+    assert (after["disk_records"], after["disk_bytes"]) == (before["disk_records"], before["disk_bytes"]) != (0, 0)
     for call in (lambda: cache.save(toks, make_kv(toks)), cache.flush, lambda: cache.lookup(toks),
                  lambda: cache.load(toks)):
         with pytest.raises(StoreError, match="this cache was closed"):
