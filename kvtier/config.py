@@ -158,8 +158,8 @@ class CacheConfig:
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"remote_timeout_s: must be seconds above 0 and at most 60, got {self.remote_timeout_s!r}")
         if not (64 << 10) <= self.remote_part_bytes <= (512 << 20):
-            raise ConfigError("remote_part_bytes: must be from 64K to 512M (Redis refuses values "
-                              "over its proto-max-bulk-len, 512M by default)")
+            raise ConfigError("remote_part_bytes: must be from 64K to 512M (the piece a load reads at a "
+                              "time; Redis refuses values over its proto-max-bulk-len, 512M by default)")
         if self.remote is not None:
             from kvtier.remote.address import parse_remote
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from kvtier import codec
 from kvtier.errors import ConfigError, RecordError
 from kvtier.remote.nodes import NodeUnavailable
-from kvtier.remote.tier import DamagedRemoteRecord
+from kvtier.remote.tier import MAX_VALUE_BYTES, DamagedRemoteRecord
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +101,11 @@ class KVPipe:
             if codec.DTYPE_CODES.get(codec.dtype_name(t.dtype)) is None or t.dim() > codec.MAX_NDIM:
                 raise ValueError(f"kvtier pipe: cannot send a {t.dtype} tensor of {t.dim()} dimensions "
                                  f"(dtypes: {', '.join(codec.DTYPE_CODES)}; at most {codec.MAX_NDIM} dimensions)")
+            limit = min(self.max_tensor_bytes, self._store.max_bytes)
+            if t.nbytes > limit:
+                raise ValueError(f"kvtier pipe: a tensor of {t.nbytes} bytes is over this pipe's largest "
+                                 f"message, {limit} bytes (max_tensor_bytes; in Redis, at most its "
+                                 "512 MB per value)")
             if t.device.type != "cpu":
                 t = t.to("cpu")
         seq = None if tensor_key else self._store.next_seq("head")
@@ -243,6 +248,8 @@ def _register_with_vllm() -> None:
 class _Store:
     """``get``: None if absent, RecordError if there but unreadable, OSError if it cannot say."""
 
+    max_bytes = 1 << 62  # the largest tensor a message can hold
+
     def next_seq(self, counter: str) -> int: ...
     def peek_seq(self, counter: str) -> int: ...
     def advance(self, counter: str, to: int) -> None: ...
@@ -254,6 +261,8 @@ class _Store:
 
 class _RedisStore(_Store):
     """Messages as remote-tier records; counters as Redis integers next to them."""
+
+    max_bytes = MAX_VALUE_BYTES - (64 << 10)  # (room for the manifest and record header)
 
     def __init__(self, url: str, name: str, timeout_s: float, password: str | None,
                  tls_ca: str | None) -> None:

@@ -27,14 +27,36 @@ BACKOFF_MAX_S = 15.0
 REFRESH_EVERY_S = 2.0
 
 
+class Joined(tuple):  # type: ignore[type-arg]
+    """One command argument given as several buffers (a record's manifest and its payload),
+    sent one after the other as a single value: neither this process nor the server joins
+    them into one buffer first."""
+
+
 def zero_copy_connection_classes() -> tuple[type, type]:
     """Connections (plain, TLS) that send memoryviews without copying them: redis-py's hiredis
-    packer turns every argument into bytes first, two extra copies of each 32 MiB value."""
+    packer turns every argument into bytes first, two extra copies of each 32 MiB value. They
+    also send a :class:`Joined` argument as one value."""
     from redis._parsers import Encoder
     from redis.connection import Connection, PythonRespSerializer, SSLConnection
 
+    class JoiningSerializer(PythonRespSerializer):
+        def pack(self, *args: Any) -> list[Any]:
+            if not any(isinstance(a, Joined) for a in args):
+                return super().pack(*args)  # type: ignore[no-any-return]
+            out: list[Any] = []
+            head = b"*%d\r\n" % len(args)
+            for arg in args:
+                parts = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in arg] \
+                    if isinstance(arg, Joined) else [self.encode(arg)]
+                out.append(head + b"$%d\r\n" % sum(len(p) for p in parts))
+                out.extend(parts)
+                head = b"\r\n"
+            out.append(head)
+            return out
+
     def packer() -> PythonRespSerializer:
-        return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        return JoiningSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
     class ZeroCopyConnection(Connection):
         def _construct_command_packer(self, packer_arg: Any) -> Any:

@@ -1,21 +1,24 @@
 """The remote tier: chunk records on a Redis (or Valkey) server or cluster, shared by servers.
 
-A chunk is one Redis hash: a small manifest and its payload in parts::
+A chunk is one Redis string, its manifest followed by its payload::
 
-    kvt2:{<key hex>}   field "m": b"KVTR" | version u8 | flags u8 | parts u32 | payload_len u64
-                                 | write_id 8B | record header | xxh3_64
-                       fields "0", "1", ...: payload part i (``remote_part_bytes`` each)
+    kvt2:{<key hex>}   b"KVTR" | version u8 | flags u8 | head_len u32 | payload_len u64 | write_id 8B
+                       | record header (head_len bytes) | xxh3_64 of all of that | payload
 
-One key per chunk, written by one ``HSET`` and read by one ``HGETALL``, so the server
-stores, evicts and refuses a chunk whole: under ``allkeys-lru`` it never keeps some parts
-of a chunk without the others (one key per part did: the LRU clock's one-second resolution
-evicts same-second keys at random, so most chunks lost a part and lookups promised chunks
-that loads could not read), a write the server refuses (``noeviction``) leaves nothing
-behind, and a reader sees one writer's whole chunk or nothing. Parts keep each value under
-Redis's 512 MiB limit per argument. The ``{...}`` hash tag routes a chunk's key on a
-cluster. The record header and payload are kvtier's self-verifying record: a damaged or
-truncated value fails its checksum and is a miss, never wrong KV. The server's own eviction
-(``maxmemory`` with an LRU policy) is the remote budget.
+One key per chunk, written by one ``SET``, so the server stores, evicts and refuses a chunk
+whole: under ``allkeys-lru`` it never keeps part of a chunk (a key per part did: the LRU
+clock's one-second resolution evicts same-second keys at random, so most chunks lost a part
+and lookups promised chunks that loads could not read), and a write it refuses
+(``noeviction``) leaves nothing behind. The manifest and the payload go out as one value
+from two buffers, and the server keeps the value it received (a hash would cost the server
+a copy of every byte: ``HSET`` copies its values). Loads read the value in pieces of
+``remote_part_bytes`` with ``GETRANGE`` (redis-py receives one 32 MiB reply far slower than
+4 MiB ones): the first piece, which holds the manifest, then the rest. The ``{...}`` hash
+tag routes a chunk's key on a cluster. A later format takes another key prefix, so servers
+of two kvtier versions share a Redis without reading each other's records. The record header and payload are kvtier's
+self-verifying record: a damaged or truncated value fails its checksums and is a miss,
+never wrong KV. The server's own eviction (``maxmemory`` with an LRU policy) is the remote
+budget.
 """
 
 from __future__ import annotations
@@ -33,17 +36,18 @@ import xxhash
 
 from kvtier.background import RateLimitedLog, take_batch, wait_while
 from kvtier.codec import MAX_HEADER_BYTES
-from kvtier.errors import IncompatibleRecord, RecordError
+from kvtier.errors import RecordError
 from kvtier.metrics import Counters
 from kvtier.remote.address import parse_remote
-from kvtier.remote.nodes import NodeUnavailable, RedisNodes
+from kvtier.remote.nodes import Joined, NodeUnavailable, RedisNodes
 
 log = logging.getLogger("kvtier")
 
-_MANIFEST = struct.Struct("<4sBBIQ8s")
+_MANIFEST = struct.Struct("<4sBBIQ8s")  # magic, version, flags, head_len, payload_len, write_id
 _MAGIC = b"KVTR"
 _VERSION = 2  # 1: a manifest key and one key per part (kvt:{...}), which kvtier no longer reads
-_MANIFEST_FIELD = b"m"
+# Redis refuses a value over proto-max-bulk-len (512 MB by default) and drops the connection
+MAX_VALUE_BYTES = 512 << 20
 _SUM = struct.Struct("<Q")
 WRITE_BATCH_BYTES = 64 << 20  # one pipeline per node per batch of writes
 # Which of the keys exist, as a string of "0"/"1": a 512-chunk lookup in one command and a
@@ -56,9 +60,9 @@ for i, k in ipairs(ARGV) do r[i] = redis.call('EXISTS', k) end
 return table.concat(r)
 """
 _EXISTS_SHA = hashlib.sha1(_EXISTS_LUA.encode()).hexdigest()
-# Delete KEYS[1] only if its manifest still holds ARGV[1] (not one rewritten since).
+# Delete KEYS[1] only if it still starts with the manifest ARGV[1] (not one rewritten since).
 _DELETE_IF_LUA = """
-if redis.call('HGET', KEYS[1], 'm') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.call('GETRANGE', KEYS[1], 0, #ARGV[1] - 1) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -101,31 +105,34 @@ def _is_noscript(reply: object) -> bool:
 
 
 def chunk_name(key: bytes) -> str:
-    """The Redis key of a chunk's hash."""
+    """The Redis key of a chunk."""
     return f"kvt2:{{{key.hex()}}}"
 
 
-def pack_manifest(header: bytes, payload_len: int, parts: int, write_id: bytes) -> bytes:
-    body = _MANIFEST.pack(_MAGIC, _VERSION, 0, parts, payload_len, write_id) + header
+def pack_manifest(header: bytes, payload_len: int, write_id: bytes) -> bytes:
+    body = _MANIFEST.pack(_MAGIC, _VERSION, 0, len(header), payload_len, write_id) + header
     return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def unpack_manifest(value: bytes) -> tuple[bytes, int, int, bytes]:
-    """``(record header, payload_len, parts, write_id)``; :class:`RecordError` if damaged,
-    :class:`IncompatibleRecord` if intact but of another format version."""
-    if len(value) < _MANIFEST.size + _SUM.size or len(value) > _MANIFEST.size + MAX_HEADER_BYTES + _SUM.size:
-        raise RecordError(f"remote manifest of {len(value)} bytes is malformed")
-    body, (stored,) = value[: -_SUM.size], _SUM.unpack_from(value, len(value) - _SUM.size)
-    if xxhash.xxh3_64_intdigest(body) != stored:
-        raise RecordError("remote manifest checksum mismatch")
-    magic, version, _flags, parts, payload_len, write_id = _MANIFEST.unpack_from(body)
+def unpack_manifest(value: bytes | memoryview) -> tuple[bytes, int, int]:
+    """From a value's first bytes: ``(record header, manifest length, payload length)``;
+    :class:`RecordError` if damaged. The key's prefix names the format (a later one takes
+    another prefix), so a value here of another version is damage too."""
+    view = memoryview(value)
+    if len(view) < _MANIFEST.size + _SUM.size:
+        raise RecordError(f"remote value of {len(view)} bytes is too short for a manifest")
+    magic, version, _flags, head_len, payload_len, _ = _MANIFEST.unpack_from(view)
     if magic != _MAGIC:
-        raise RecordError("not a kvtier remote manifest")
-    if version != _VERSION:  # intact, another kvtier's: a miss here, kept for that kvtier
-        raise IncompatibleRecord(f"remote manifest version {version}, this kvtier reads {_VERSION}")
-    if parts < 1:
-        raise RecordError("remote manifest names no parts")
-    return bytes(body[_MANIFEST.size:]), payload_len, parts, write_id
+        raise RecordError("not a kvtier remote record")
+    if version != _VERSION:
+        raise RecordError(f"remote record of format {version} under a format-{_VERSION} key")
+    end = _MANIFEST.size + head_len
+    if head_len > MAX_HEADER_BYTES or len(view) < end + _SUM.size:
+        raise RecordError("remote manifest is malformed or cut short")
+    (stored,) = _SUM.unpack_from(view, end)
+    if xxhash.xxh3_64_intdigest(view[:end]) != stored:
+        raise RecordError("remote manifest checksum mismatch")
+    return bytes(view[_MANIFEST.size:end]), end + _SUM.size, payload_len
 
 
 @dataclass
@@ -133,23 +140,24 @@ class RemoteRecord:
     """A record read from the remote tier, not yet verified (the codec does that)."""
 
     header: bytes
-    pieces: list[bytes]
+    pieces: list[bytes | memoryview]
     manifest: bytes = b""  # the manifest value read: deletes check it is still the same
 
 
 class DamagedRemoteRecord(RecordError):
     """:meth:`RemoteTier.fetch_checked`: the record is there but cannot be read (a damaged
-    manifest, a missing part, or a value that is not a chunk's hash)."""
+    manifest, a value shorter or longer than its manifest says, or one that is not a kvtier
+    record)."""
 
 
 @dataclass
 class _Read:
-    """What one key's hash was found to be (:meth:`RemoteTier._read`); what to do about it
+    """What one key's value was found to be (:meth:`RemoteTier._read`); what to do about it
     is the caller's: a load misses and cleans up, the KV pipe raises."""
 
     record: RemoteRecord | None = None  # all of it, not yet verified
-    manifest: bytes | None = None  # the manifest value read, if one was
-    damage: RecordError | None = None  # unreadable (IncompatibleRecord: another version's, kept)
+    manifest: bytes | None = None  # the manifest read, if one was
+    damage: RecordError | None = None  # there, but not a whole, sound record
     error: object = None  # an error reply (a slot moving, a loading server): may be whole later
 
 
@@ -291,52 +299,70 @@ class RemoteTier:
                 continue
             for i, r in zip(idx, reads, strict=True):
                 out[i] = r.record
-                if r.damage is not None and not isinstance(r.damage, IncompatibleRecord):
+                if r.damage is not None:
                     self.discard_corrupt(keys[i], r.damage, r.manifest)
-                # absent, another version's, or an error reply: a miss, nothing deleted
+                # absent, or an error reply: a miss, nothing deleted
         return out
 
     def _read(self, node: str, client: object, keys: list[bytes]) -> list[_Read]:
-        """Read ``keys``' hashes from one node in one pipelined round trip; judge nothing but
-        what was found (no counter, no delete)."""
+        """Read ``keys``' values from one node: the first piece of each (its manifest) in one
+        pipelined round trip, then the rest of those longer than a piece in a second; judge
+        nothing but what was found (no counter, no delete)."""
         names = [chunk_name(k) for k in keys]
         reads = [_Read() for _ in keys]
-        replies = self.nodes.run(node, client, lambda p: [p.hgetall(n) for n in names])
-        for r, value in zip(reads, replies, strict=True):
+        pb = self.part_bytes
+        firsts = self.nodes.run(node, client, lambda p: [p.getrange(n, 0, pb - 1) for n in names])
+        longer: list[tuple[_Read, str, bytes, bytes, int, int]] = []  # read, name, header, first, meta, total
+        for r, name, value in zip(reads, names, firsts, strict=True):
             if _is_wrong_type(value):
-                r.damage = RecordError("the chunk's key holds a value that is not a chunk's hash")
-            elif not isinstance(value, dict):
+                r.damage = RecordError("the chunk's key holds a value that is not a kvtier record")
+            elif not isinstance(value, bytes):
                 r.error = value
-            elif value:  # an empty dict: absent
-                self._judge(r, value)
+            elif value:  # (empty: absent)
+                try:
+                    header, meta, payload_len = unpack_manifest(value)
+                except RecordError as exc:
+                    r.damage, r.manifest = exc, value[:4096]  # (a delete checks it is unchanged)
+                    continue
+                r.manifest, total = value[:meta], meta + payload_len
+                if total == len(value):
+                    r.record = RemoteRecord(header, [memoryview(value)[meta:]], r.manifest)
+                elif total < len(value) or len(value) < pb:
+                    r.damage = RecordError(f"the value has {len(value)} bytes, its manifest says {total}")
+                else:
+                    longer.append((r, name, header, value, meta, total))
+        if not longer:
+            return reads
+        # the rest in pieces, after its length: 0 if it went since the first piece (evicted),
+        # any other length than the manifest's is damage
+        spans = [[(off, min(off + pb, total) - 1) for off in range(pb, total, pb)] for *_, total in longer]
+        replies = self.nodes.run(node, client, lambda p: [
+            cmd for item, sp in zip(longer, spans, strict=True)
+            for cmd in (p.strlen(item[1]), *(p.getrange(item[1], lo, hi) for lo, hi in sp))])
+        at = 0
+        for (r, _, header, first, meta, total), sp in zip(longer, spans, strict=True):
+            size, got = replies[at], replies[at + 1 : at + 1 + len(sp)]
+            at += 1 + len(sp)
+            odd = next((g for g in (size, *got) if isinstance(g, Exception)), None)
+            if odd is not None and _is_wrong_type(odd):
+                r.damage = RecordError("the chunk's key changed type while read")
+            elif odd is not None:
+                r.error = odd
+            elif size == 0:  # gone since its first piece: absent now
+                r.manifest = None
+            elif size != total:
+                r.damage = RecordError(f"the value has {size} bytes, its manifest says {total}")
+            elif [len(g) for g in got] != [hi - lo + 1 for lo, hi in sp]:  # rewritten meanwhile
+                r.error = "the value changed while it was read"
+            else:
+                r.record = RemoteRecord(header, [memoryview(first)[meta:], *got], r.manifest)
         return reads
-
-    @staticmethod
-    def _judge(r: _Read, fields: dict[bytes, bytes]) -> None:
-        """Fill ``r`` from a chunk's hash: the record, or what is wrong with it."""
-        manifest = fields.get(_MANIFEST_FIELD)
-        if manifest is None:  # a hash kvtier did not write whole (one HSET writes all)
-            r.damage = RecordError("the chunk's hash has no manifest")
-            return
-        r.manifest = manifest
-        try:
-            header, payload_len, parts, _ = unpack_manifest(manifest)
-        except RecordError as exc:  # IncompatibleRecord too
-            r.damage = exc
-            return
-        pieces = [fields.get(str(j).encode()) for j in range(parts)]
-        if any(piece is None for piece in pieces):
-            r.damage = RecordError(f"the chunk's hash lacks parts its manifest names ({parts})")
-        elif sum(len(piece) for piece in pieces) != payload_len:  # type: ignore[arg-type]
-            r.damage = RecordError("the chunk's parts do not add up to the payload its manifest names")
-        else:
-            r.record = RemoteRecord(header, pieces, manifest)  # type: ignore[arg-type]
 
     def fetch_checked(self, key: bytes) -> RemoteRecord | None:
         """One record, for a caller that must tell "absent" from "there but unusable" (the KV
         pipe, whose consumer would otherwise wait for a message that never becomes readable).
         None: absent. Raises :class:`DamagedRemoteRecord` for a damaged record, one of another
-        format version, or a value that is not a chunk's hash; ``OSError`` when the server
+        format version, or a value that is not a kvtier record; ``OSError`` when the server
         cannot say now (down, slow, an error reply). Counts like a load, deletes nothing: the
         caller decides (:meth:`delete`). Not verified: the codec does that."""
         name = chunk_name(key)
@@ -358,16 +384,16 @@ class RemoteTier:
 
     def discard_corrupt(self, key: bytes, why: Exception, manifest: bytes | None) -> None:
         """A remote record proven damaged: count it and delete it (a miss from now on),
-        unless it was rewritten since ``manifest`` was read (None: no manifest was readable
-        as a hash field: the key is not a chunk this format can rewrite, and goes)."""
+        unless it was rewritten since ``manifest`` (the value's first bytes) was read (None:
+        the key held no string at all, and goes)."""
         self.counters.add(remote_corrupt=1)
         self._warn("corrupt", "kvtier: corrupt remote record %s (%s); removed, will recompute",
                    key.hex()[:16], why)
         self.delete(key, expect=manifest)
 
     def delete(self, key: bytes, *, expect: bytes | None = None) -> None:
-        """Delete a chunk (its one key). With ``expect``, only if its manifest still holds
-        that value (one script on the node): a copy another server stored meanwhile is kept."""
+        """Delete a chunk (its one key). With ``expect``, only if its value still starts with
+        those bytes (one script on the node): a copy another server stored meanwhile is kept."""
         name = chunk_name(key)
         try:
             for node, client, _ in self.nodes.route([name]):
@@ -397,6 +423,12 @@ class RemoteTier:
         routed = sum(len(idx) for _, _, idx in routes)
         if routed < len(items):  # keys of a slot no node serves (a cluster mid-failover)
             self.counters.add(remote_dropped=len(items) - routed)
+        too_big = {i for i, (_, h, v) in enumerate(items) if len(h) + v.nbytes + 256 > MAX_VALUE_BYTES}
+        if too_big:  # the server would drop the connection mid-value
+            self.counters.add(remote_dropped=len(too_big))
+            self._warn("too-big", "kvtier: remote tier %s: not uploading %d record(s) over %d MiB, "
+                       "Redis's largest value", self.address.describe(), len(too_big), MAX_VALUE_BYTES >> 20)
+            routes = [(n, c, [i for i in idx if i not in too_big]) for n, c, idx in routes]
         for node, client, idx in routes:
             todo = list(idx)  # what a failure drops: all, then only those not there already
             try:
@@ -404,9 +436,9 @@ class RemoteTier:
                 todo = [i for i, r in zip(idx, there, strict=True) if r != 1]
                 if not todo:
                     continue
-                # one HSET per chunk: the server stores or refuses each chunk whole
+                # one SET per chunk: the server stores or refuses each chunk whole
                 replies = self.nodes.run(node, client, lambda p, todo=todo: [
-                    self._add_hset(p, names[i], items[i]) for i in todo])
+                    self._add_set(p, names[i], items[i]) for i in todo])
             except NodeUnavailable as exc:
                 self._unavailable("a save", exc)
                 self.counters.add(remote_dropped=len(todo))
@@ -429,16 +461,12 @@ class RemoteTier:
                               remote_bytes_saved=sum(len(items[i][1]) + items[i][2].nbytes for i in done))
         return written
 
-    def _add_hset(self, pipe: object, name: str, item: tuple[bytes, bytes, memoryview]) -> None:
-        """Queue one record's ``HSET`` (manifest and every part) on ``pipe``."""
+    @staticmethod
+    def _add_set(pipe: object, name: str, item: tuple[bytes, bytes, memoryview]) -> None:
+        """Queue one record's ``SET`` (manifest and payload as one value) on ``pipe``."""
         _, header, payload = item
-        payload = memoryview(payload).cast("B")
-        pb = self.part_bytes
-        parts = max(1, -(-payload.nbytes // pb))
-        fields: list[object] = [_MANIFEST_FIELD, pack_manifest(header, payload.nbytes, parts, os.urandom(8))]
-        for i in range(parts):
-            fields += [str(i).encode(), payload[i * pb : (i + 1) * pb]]
-        pipe.execute_command("HSET", name, *fields)  # type: ignore[attr-defined]
+        manifest = pack_manifest(header, payload.nbytes, os.urandom(8))
+        pipe.execute_command("SET", name, Joined((manifest, payload)))  # type: ignore[attr-defined]
 
     def enqueue(self, key: bytes, header: bytes, payload: memoryview) -> bool:
         """Write-behind: queue a record for the remote tier. False (counted) if the queue's

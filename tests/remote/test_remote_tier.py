@@ -72,10 +72,11 @@ def test_a_dead_server_is_misses_and_counters_and_hits_resume_when_it_is_back(tm
         assert torch.equal(b.load(SEQ), kv)
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate_part", "flip_manifest", "drop_part",
-                                    "drop_manifest", "not_a_hash", "swapped"])
+@pytest.mark.parametrize("damage", ["flip_first_piece", "flip_last_piece", "truncate", "extend",
+                                    "flip_manifest", "manifest_only", "other_version", "not_a_string",
+                                    "swapped"])
 def test_damaged_values_in_the_server_are_misses(tmp_path: Path, redis_server: LocalRedis, damage: str) -> None:
-    seq = tokens(3, CHUNK)  # one chunk: 32 KiB of float32 KV (one 64 KiB part)
+    seq = tokens(3, CHUNK)  # one chunk: 64 KiB of float32 KV, read in two 64 KiB pieces
     other = tokens(4, CHUNK)
     kv = kv_for(seq)
     with open_cache(tmp_path / "a", redis_server.url) as a:
@@ -83,28 +84,33 @@ def test_damaged_values_in_the_server_are_misses(tmp_path: Path, redis_server: L
         a.save(other, kv_for(other))
         a.flush(30)
     c = redis_server.client()
-    mine = chunk_name(keys_of(seq)[0])
-    assert set(chunk_keys(c)) == {mine.encode(), chunk_name(keys_of(other)[0]).encode()}
-    assert sorted(c.hkeys(mine)) == [b"0", b"m"]  # the manifest and one part, in one hash
-    if damage == "flip_payload":
-        v = bytearray(c.hget(mine, "0"))
-        v[1000] ^= 0x10
-        c.hset(mine, "0", bytes(v))
-    elif damage == "truncate_part":
-        c.hset(mine, "0", c.hget(mine, "0")[:-100])
+    mine, theirs = chunk_name(keys_of(seq)[0]), chunk_name(keys_of(other)[0])
+    assert set(chunk_keys(c)) == {mine.encode(), theirs.encode()}
+    value = c.get(mine)
+    assert 64 << 10 < len(value) < 65 << 10  # the manifest and the payload, in one value
+
+    def flip(at: int) -> None:
+        c.setrange(mine, at, bytes([value[at] ^ 0x10]))
+
+    if damage == "flip_first_piece":
+        flip(1000)
+    elif damage == "flip_last_piece":
+        flip(len(value) - 10)
+    elif damage == "truncate":
+        c.set(mine, value[:-100])
+    elif damage == "extend":
+        c.append(mine, b"more")
     elif damage == "flip_manifest":
-        v = bytearray(c.hget(mine, "m"))
-        v[20] ^= 0x01
-        c.hset(mine, "m", bytes(v))
-    elif damage == "drop_part":
-        c.hdel(mine, "0")
-    elif damage == "drop_manifest":
-        c.hdel(mine, "m")
-    elif damage == "not_a_hash":  # another program's value under the key
+        flip(30)
+    elif damage == "manifest_only":
+        c.set(mine, value[:300])
+    elif damage == "other_version":  # under this format's key, another format's value
+        flip(4)
+    elif damage == "not_a_string":  # another program's value under the key
         c.delete(mine)
         c.rpush(mine, b"x")
     else:  # the other prompt's whole chunk under this one's key
-        c.copy(chunk_name(keys_of(other)[0]), mine, replace=True)
+        c.copy(theirs, mine, replace=True)
     with open_cache(tmp_path / "b", redis_server.url) as b:
         assert b.load(seq).shape[2] == 0  # a miss: never wrong KV, never an exception
         stats = b.stats()
@@ -119,7 +125,7 @@ def test_under_lru_eviction_a_chunk_is_evicted_whole(redis_server: LocalRedis) -
     left is whole, so a lookup promises only what a load delivers. (With a key per part,
     3 of 58 chunks kept all their parts in a burst like this one.)"""
     c = redis_server.client()
-    payloads = {os.urandom(32): os.urandom(200_000) for _ in range(160)}  # 4 parts of 64 KiB each
+    payloads = {os.urandom(32): os.urandom(200_000) for _ in range(160)}  # 4 pieces of 64 KiB each
     c.config_set("maxmemory-policy", "allkeys-lru")
     c.config_set("maxmemory", str(c.info("memory")["used_memory"] + (8 << 20)))  # room for ~40
     counters = Counters()
@@ -132,11 +138,11 @@ def test_under_lru_eviction_a_chunk_is_evicted_whole(redis_server: LocalRedis) -
         left = chunk_keys(c)
         assert 0 < len(left) < len(payloads) // 2  # the server evicted most of them
         for k in left:
-            assert sorted(c.hkeys(k)) == [b"0", b"1", b"2", b"3", b"m"]
+            assert c.strlen(k) > 200_000  # whole
         for k, v in payloads.items():
             rec = tier.fetch(k)
             assert (rec is not None) == (tier.count_present_prefix([k]) == 1)
-            assert rec is None or b"".join(rec.pieces) == v
+            assert rec is None or b"".join(bytes(p) for p in rec.pieces) == v
         assert counters.snapshot()["remote_corrupt"] == 0
     finally:
         tier.close(0)
@@ -318,22 +324,20 @@ def test_without_the_redis_client_a_remote_setting_says_what_to_install(tmp_path
     ChunkStore(CacheConfig(path=tmp_path / "s")).close()  # nothing left half-open
 
 
-def test_a_record_of_another_remote_format_version_is_a_miss_and_kept(tmp_path: Path, redis_server: LocalRedis) -> None:
-    import xxhash
-
+def test_records_of_the_previous_remote_format_are_neither_read_nor_deleted(tmp_path: Path,
+                                                                          redis_server: LocalRedis) -> None:
+    """Format 1 kept a manifest under kvt:{key} and parts beside it; format 2 has its own
+    prefix, so a server of either version shares the Redis without touching the other's."""
     seq = tokens(9, CHUNK)
-    with open_cache(tmp_path / "a", redis_server.url) as a:
-        a.save(seq, kv_for(seq))
-        a.flush(30)
+    key = keys_of(seq)[0]
     c = redis_server.client()
-    (chunk,) = chunk_keys(c)
-    body = bytearray(c.hget(chunk, "m")[:-8])
-    body[4] = 99  # the manifest format version
-    c.hset(chunk, "m", bytes(body) + xxhash.xxh3_64_intdigest(bytes(body)).to_bytes(8, "little"))
+    c.set(f"kvt:{{{key.hex()}}}", b"KVTR\x01" + os.urandom(100))
     with open_cache(tmp_path / "b", redis_server.url) as b:
-        assert b.load(seq).shape[2] == 0
+        assert b.lookup(seq) == 0 and b.load(seq).shape[2] == 0
         assert b.stats()["remote_corrupt"] == 0
-    assert c.hget(chunk, "m") is not None  # another kvtier's record: not deleted
+        b.save(seq, kv_for(seq))
+        b.flush(30)
+    assert c.exists(f"kvt:{{{key.hex()}}}") and c.exists(chunk_name(key))
 
 
 def test_a_chunk_the_server_already_has_is_not_uploaded_again(tmp_path: Path, redis_server: LocalRedis) -> None:
@@ -383,7 +387,7 @@ def test_one_refused_write_drops_its_own_chunk_not_the_whole_pipeline(redis_serv
         counters = Counters()
         tier = RemoteTier(url=redis_server.url.replace("redis://", "redis://part:pw@"), password=None,
                           timeout_s=1.0, part_bytes=1 << 16, queue_bytes=1, counters=counters, writer=False)
-        payload = memoryview(os.urandom(100_000))  # two parts each
+        payload = memoryview(os.urandom(100_000))
         try:
             assert tier.store_many([(k, b"header", payload) for k in (ok, denied)]) == 1
         finally:
@@ -423,3 +427,26 @@ def test_a_server_busy_with_a_long_script_is_a_miss_not_the_end_of_lookup_script
     finally:
         tier.close(0)
         c.config_set("busy-reply-threshold", 5000)
+
+
+def test_a_record_over_the_largest_redis_value_is_dropped_not_sent(redis_server: LocalRedis,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Redis drops the connection on a value over proto-max-bulk-len (512 MB): such a record
+    is counted and left local, the others of its batch go (the limit is lowered here)."""
+    from kvtier.remote import tier as tier_module
+
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    monkeypatch.setattr(tier_module, "MAX_VALUE_BYTES", 100_000)
+    small, big = os.urandom(32), os.urandom(32)
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
+                      queue_bytes=1, counters=counters, writer=False)
+    try:
+        assert tier.store_many([(small, b"h", memoryview(os.urandom(50_000))),
+                                (big, b"h", memoryview(os.urandom(200_000)))]) == 1
+        assert tier.count_present_prefix([small]) == 1 and tier.count_present_prefix([big]) == 0
+    finally:
+        tier.close(0)
+    assert (counters.snapshot()["remote_saves"], counters.snapshot()["remote_dropped"]) == (1, 1)
+    assert "Redis's largest value" in caplog.text
