@@ -44,7 +44,7 @@ def test_ls_shows_a_short_model_name(tmp_path: Path, capsys: pytest.CaptureFixtu
     backend = open_backend(CacheConfig(path=store))
     backend.register_namespace(ns.id, ns.describe())
     backend.close()
-    table = run_main(capsys, "ls", store)
+    table = run_main(capsys, "ls", store, "--all")  # (registered, no chunks yet)
     assert table.returncode == 0
     assert "Llama-3.1-8B-Instruct" in table.stdout
     assert "/srv/models" not in table.stdout and "kv_cache_dtype" not in table.stdout
