@@ -167,6 +167,13 @@ class CacheConfig:
             if self.remote_queue_bytes == 0:
                 raise ConfigError("remote_queue_bytes: must be above 0 when remote is set, e.g. 256M")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved values (sizes as ints, the path as a string), which
+        :meth:`from_dict` accepts back; with the password, if one is set: keep it private."""
+        d = dataclasses.asdict(self)
+        d["path"] = str(self.path)
+        return d
+
     def __repr__(self) -> str:
         # a password written into the remote URL is hidden like remote_password (never logged)
         from kvtier.remote.address import redact

@@ -97,6 +97,25 @@ def _stores_after_fork_in_child() -> None:
 forksafe.register(forksafe.STORE, after_in_child=_stores_after_fork_in_child)
 
 
+def _flush_stores_at_exit() -> None:
+    """Commit what open stores have queued while the interpreter still runs thread pools.
+
+    At exit Python stops every ``ThreadPoolExecutor`` from taking work (its own hook, run
+    from ``threading._shutdown``) before ``atexit`` handlers and finalizers run, so a store
+    closed that late (an in-process vLLM engine's, a cache never closed) could not write
+    what it had queued: the files backend's writes go through a pool. Hooks registered
+    later run first, so this one runs before the pools stop. Bounded by each store's
+    ``close_timeout_s``."""
+    for store in list(_LIVE_STORES):
+        if not store.closed and not store.readonly:
+            with contextlib.suppress(Exception):  # never fail the interpreter's exit
+                store.flush(float(store.config.close_timeout_s))
+
+
+with contextlib.suppress(AttributeError, RuntimeError):  # (private: absent in some Pythons)
+    threading._register_atexit(_flush_stores_at_exit)  # type: ignore[attr-defined]
+
+
 class ChunkStore:
     """Chunks (tensors in the canonical layout) under 32-byte keys, in host memory and on disk."""
 

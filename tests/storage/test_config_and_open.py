@@ -100,6 +100,14 @@ def test_a_closed_or_read_only_cache_refuses_what_it_would_lose(tmp_path: Path) 
         cache.load(toks, max_tokens=-1)
 
 
+def test_to_dict_round_trips_through_from_dict(tmp_path: Path) -> None:
+    cfg = CacheConfig(path=tmp_path / "s", host_bytes="512M", remote="redis://h:1", remote_password="pw")
+    d = cfg.to_dict()
+    assert d["host_bytes"] == 512 << 20 and d["path"] == str(tmp_path / "s")
+    assert CacheConfig.from_dict(d) == cfg
+    assert "pw" not in repr(cfg)
+
+
 def test_unknown_key_in_from_dict_names_it_and_suggests(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as exc:
         CacheConfig.from_dict({"path": str(tmp_path), "backnd": "files"})

@@ -80,3 +80,27 @@ def test_prefetch_and_async_loads(tmp_path: Path) -> None:
         after = store.counters.snapshot()
         assert after["hits_host"] - before["hits_host"] == 2  # served from memory, as prefetched
         assert after["hits_disk"] == before["hits_disk"]
+
+
+@pytest.mark.parametrize("backend", ["files", "lmdb"])
+def test_saves_queued_when_the_interpreter_exits_are_committed(tmp_path: Path, backend: str) -> None:
+    """A cache never closed (or closed by an engine's own exit hooks) still commits what it
+    queued: at exit Python stops thread pools before atexit handlers run, and the files
+    backend writes through one (it kept 1 of 8 chunks)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "s"
+    script = f"""
+import torch
+from kvtier import CacheConfig, KVCache, Namespace
+ns = Namespace(model="m", weights_fingerprint="x", dtype="bfloat16", kv_shape=(2, 2, 2, 32))
+c = KVCache.open({str(path)!r}, ns, CacheConfig(path={str(path)!r}, backend={backend!r}, chunk_tokens=256))
+c.save(list(range(2048)), torch.randn(2, 2, 2048, 2, 32).to(torch.bfloat16))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "could not be written" not in r.stderr, r.stderr
+    ns = Namespace(model="m", weights_fingerprint="x", dtype="bfloat16", kv_shape=(2, 2, 2, 32))
+    with KVCache.open(path, ns, CacheConfig(path=path, chunk_tokens=256), readonly=True) as c:
+        assert c.lookup(list(range(2048))) == 2048
