@@ -297,6 +297,12 @@ class RemoteTier:
             except NodeUnavailable as exc:
                 self._unavailable("a load", exc)
                 continue
+            refused = next((r.error for r in reads if r.error is not None and not _is_transient(r.error)), None)
+            if refused is not None:  # e.g. an ACL without GETRANGE: lookups hit, every load fails
+                self.counters.add(remote_errors=1)
+                self._warn("refused-read", "kvtier: remote tier %s refused a read (%s); loads from it "
+                           "miss (a read-only user needs +getrange +strlen +exists +evalsha +eval)",
+                           self.address.describe(), refused)
             for i, r in zip(idx, reads, strict=True):
                 out[i] = r.record
                 if r.damage is not None:
@@ -353,7 +359,7 @@ class RemoteTier:
             elif size != total:
                 r.damage = RecordError(f"the value has {size} bytes, its manifest says {total}")
             elif [len(g) for g in got] != [hi - lo + 1 for lo, hi in sp]:  # rewritten meanwhile
-                r.error = "the value changed while it was read"
+                r.manifest = None  # a miss now; the next load reads the new value
             else:
                 r.record = RemoteRecord(header, [memoryview(first)[meta:], *got], r.manifest)
         return reads

@@ -450,3 +450,36 @@ def test_a_record_over_the_largest_redis_value_is_dropped_not_sent(redis_server:
         tier.close(0)
     assert (counters.snapshot()["remote_saves"], counters.snapshot()["remote_dropped"]) == (1, 1)
     assert "Redis's largest value" in caplog.text
+
+
+@pytest.mark.parametrize("reads", ["documented", "without_getrange"])
+def test_a_read_only_acl_user(tmp_path: Path, redis_server: LocalRedis, reads: str,
+                              caplog: pytest.LogCaptureFixture) -> None:
+    """scale-out.md's read-only user loads and uploads nothing; a user whose reads the server
+    refuses is warned about and counted (lookups would promise chunks every load misses)."""
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    with open_cache(tmp_path / "a", redis_server.url) as a:
+        a.save(SEQ, kv_for(SEQ))
+        assert a.flush(30)
+    c = redis_server.client()
+    granted = ["+getrange", "+strlen", "+exists", "+evalsha", "+eval"]
+    if reads == "without_getrange":
+        granted.remove("+getrange")
+    c.acl_setuser("reader", enabled=True, passwords=["+pw"], commands=granted, keys=["*"])
+    try:
+        url = redis_server.url.replace("redis://", "redis://reader:pw@")
+        with open_cache(tmp_path / "b", url) as b:
+            other = tokens(77, CHUNK)
+            b.save(other, kv_for(other))
+            assert b.flush(30)
+            got = b.load(SEQ)
+            stats = b.stats()
+        assert stats["remote_dropped"] == 1 and not c.exists(chunk_name(keys_of(other)[0]))
+        if reads == "documented":
+            assert torch.equal(got, kv_for(SEQ)) and stats["remote_hits"] == 5
+            assert "refused a read" not in caplog.text
+        else:
+            assert got.shape[2] == 0 and stats["remote_errors"] >= 1
+            assert "refused a read" in caplog.text and "+getrange" in caplog.text
+    finally:
+        c.acl_deluser("reader")
