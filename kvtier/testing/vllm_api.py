@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     target = Path(args[0])
     if target.is_dir():
         root = target
+        if not (root / BASE).is_file():
+            print(f"{root}: no vLLM sources here (no {BASE}); give the site-packages directory that "
+                  "holds the vllm package, or a vLLM version number", file=sys.stderr)
+            return 2
     else:
         cache = Path(tempfile.gettempdir()) / "kvtier-vllm-api"
         cache.mkdir(exist_ok=True)

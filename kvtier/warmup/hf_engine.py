@@ -86,7 +86,11 @@ class HFModel:
 
 def check_model(model: str) -> Any:
     """The model's HF config, or :class:`WarmupRefused` if it cannot be warmed up here."""
-    from transformers import AutoConfig
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:
+        raise WarmupRefused("the transformers engine needs the transformers package: pip install "
+                            f"transformers (vLLM brings it too) ({exc})") from None
 
     if not Path(model).is_dir():
         raise WarmupRefused(f"{model}: not a model directory (offline warm-up reads local files only)")

@@ -70,3 +70,11 @@ def test_check_sees_a_removed_scheduler_field(vllm_copy: Path) -> None:
 def test_check_sees_a_renamed_attention_backend(vllm_copy: Path) -> None:
     _edit(vllm_copy / "vllm/v1/attention/backends/flash_attn.py", r'return "FLASH_ATTN"', 'return "FLASH_ATTN_V4"')
     assert any("FLASH_ATTN is gone" in p for p in api_problems(vllm_copy))
+
+
+def test_a_directory_without_vllm_sources_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.testing.vllm_api import main
+
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no vLLM sources here" in err and "site-packages" in err

@@ -4,6 +4,7 @@ the same store: it hits, and its greedy output equals the output without any cac
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -383,9 +384,11 @@ def test_vllm_warmup_reports_refused_prompts_and_runs_the_rest(tiny_model: Path,
 
 
 # -- command lines and inputs that cannot run: one clear line, exit status 2 ---------------------
-@pytest.mark.parametrize("case", ["block size 0", "not UTF-8", "a directory", "no tokenizer", "empty model dir"])
+@pytest.mark.parametrize("case", ["block size 0", "not UTF-8", "a directory", "no tokenizer", "empty model dir",
+                                  "no transformers"])
 def test_unusable_inputs_are_one_clear_error_line(tiny_model: Path, tmp_path: Path, case: str,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtier.cli.main import main
 
     model, prompts, extra = str(tiny_model), _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}]), []
@@ -400,6 +403,9 @@ def test_unusable_inputs_are_one_clear_error_line(tiny_model: Path, tmp_path: Pa
         _write(prompts, [{"prompt": "some text"}])
         want = "the model directory has no tokenizer transformers can load ("
         extra = ["--config", json.dumps({"path": str(tmp_path / "store")})]
+    elif case == "no transformers":  # not a dependency of kvtier: the engine says what to install
+        monkeypatch.setitem(sys.modules, "transformers", None)
+        want = "the transformers engine needs the transformers package: pip install transformers"
     else:
         (tmp_path / "empty").mkdir()
         model, want = str(tmp_path / "empty"), "not a Hugging Face model directory transformers can read ("
