@@ -22,7 +22,8 @@ PROM_COUNTERS = {
     "load_seconds": "Seconds spent loading KV (sum)",
     "save_chunks": "Chunks handed to the write-behind store",
     "save_tokens": "Tokens whose KV was handed to the write-behind store",
-    "save_dropped_chunks": "Chunks not saved because the write queue was full",
+    "save_skipped_chunks": "Chunks not saved because they were stored already",
+    "save_dropped_chunks": "Chunks not saved because the write queue was full or no pooled buffer was free",
     "save_unsafe_chunks": "Chunks not saved because a synchronous load failed in their step or the one "
                           "before (their KV was computed over blocks the load did not fill)",
     "save_layers_after_forward": "Layers of saved chunks copied in wait_for_save, after the forward pass "
@@ -30,6 +31,9 @@ PROM_COUNTERS = {
     "store_hits_host": "Chunk loads served from host memory",
     "store_hits_disk": "Chunk loads served from the persistent tier",
     "store_misses": "Chunk loads that found nothing usable",
+    "store_bytes_loaded": "Bytes of chunks loaded",
+    "store_saves_queued": "Chunks queued for the persistent tier",
+    "store_saves_committed": "Chunks committed to the persistent tier",
     "store_bytes_saved": "Bytes committed to the persistent tier",
     "store_saves_duplicate": "Chunks written but left out because another copy was stored meanwhile "
                              "(two servers computing the same prefix)",
@@ -39,7 +43,12 @@ PROM_COUNTERS = {
     "store_dropped_disk_full": "Saves dropped because the store's file system was full (free space "
                                "or lower disk_bytes); not counted as I/O errors",
     "store_corrupt_records": "Records that failed verification (served as misses)",
+    "store_incompatible_records": "Intact records of another format version (misses, kept)",
+    "store_oversized_records": "Intact records over max_record_bytes (misses, kept)",
+    "store_evicted_host": "Chunks evicted from host memory",
     "store_evicted_disk": "Records evicted from the persistent tier",
+    "store_evicted_disk_bytes": "Bytes evicted from the persistent tier",
+    "store_orphans_removed": "Record payloads no index entry named (a killed writer's), removed",
     "store_io_errors": "Storage I/O errors",
     "store_missing_payloads": "Index entries whose record file was gone (removed by hand?); dropped from "
                               "the index, the chunk is saved again",

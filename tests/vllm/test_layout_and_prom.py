@@ -143,3 +143,18 @@ def test_prometheus_counters_follow_stats() -> None:
     prom.observe({"load_tokens": 64})
     assert reg.get_sample_value("vllm:kvtier_load_tokens_total", {"engine": "0"}) == 640
     assert reg.get_sample_value("vllm:kvtier_store_corrupt_records_total", {"engine": "0"}) == 2
+
+
+def test_every_counter_in_the_log_line_is_a_prometheus_counter() -> None:
+    """The log line shows every store counter (as store_<name>) and the worker's save_*
+    counts; Prometheus must export the same names (vllm.md says so)."""
+    import dataclasses
+
+    from kvtier.metrics import Counters
+    from kvtier.vllm.stats import PROM_COUNTERS
+
+    store = {"store_" + f.name for f in dataclasses.fields(Counters) if not f.name.startswith("_")}
+    worker = {"load_tokens", "load_requests", "load_failed_blocks", "load_seconds", "save_chunks",
+              "save_tokens", "save_skipped_chunks", "save_dropped_chunks", "save_unsafe_chunks",
+              "save_layers_after_forward"}
+    assert store | worker <= set(PROM_COUNTERS), sorted((store | worker) - set(PROM_COUNTERS))
