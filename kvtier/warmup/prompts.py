@@ -17,10 +17,20 @@ from kvtier.errors import KVTierError
 
 @dataclass(frozen=True)
 class Prompt:
-    line: int
-    text: str | None
-    token_ids: tuple[int, ...] | None
-    cache_salt: str | None
+    """One prompt: ``Prompt(text="...")`` (tokenized by the model's tokenizer) or
+    ``Prompt(token_ids=[...])``, optionally with a ``cache_salt``; ``line`` is its line in a
+    prompts file (0 for one made in code)."""
+
+    line: int = 0
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("Prompt: give exactly one of text and token_ids")
+        if self.token_ids is not None:  # (a list is fine; kept as a tuple)
+            object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
 
 
 @dataclass(frozen=True)

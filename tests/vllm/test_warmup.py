@@ -74,8 +74,14 @@ def test_warmup_again_stores_nothing_and_computes_nothing(tiny_model: Path, tmp_
         raise AssertionError("a fully stored prompt ran a forward pass")
 
     monkeypatch.setattr(hf_engine.HFModel, "kv", no_forward)
-    again = warmup(str(tiny_model), prompts, engine="transformers", config={"path": str(store)}, block_size=32, **F32)
+    # the same prompts made in code (the library's form) are the same chunks
+    from kvtier.warmup import Prompt
+
+    again = warmup(str(tiny_model), [Prompt(token_ids=p) for p in PROMPTS], engine="transformers",
+                   config={"path": str(store)}, block_size=32, **F32)
     assert again.errors == [] and again.prompts == 2 and again.chunks_stored == 0
+    with pytest.raises(ValueError, match="exactly one of text and token_ids"):
+        Prompt(text="a", token_ids=[1])
 
 
 def test_salted_warmup_is_seen_only_with_that_salt(tiny_model: Path, tmp_path: Path, baseline: list) -> None:
