@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     scope = f" in {len(chosen)} namespace(s)" if chosen else ""
     line(con, f"{verb} {len(victims):,} of {len(selected):,} chunks{scope} ({size(victim_bytes)}; "
               f"{', '.join(what)}); the store {'would hold' if args.dry_run else 'now holds'} "
-              f"{len(entries) - len(victims):,} chunks ({size(store_bytes - victim_bytes)})")
+              f"{len(entries) - len(victims):,} chunk{'' if len(entries) - len(victims) == 1 else 's'} "
+              f"({size(store_bytes - victim_bytes)})")
     if args.dry_run:
         line(con, "dry run: nothing was removed")
     return 0

@@ -55,7 +55,8 @@ def redact(url: object) -> object:
 
 def parse_remote(url: object, password: str | None = None) -> RemoteAddress:
     """Parse the ``remote`` setting; a :class:`ConfigError` says what is wrong and the form."""
-    form = "expected redis://HOST:PORT[/DB], rediss://..., or redis+cluster://HOST:PORT[,HOST:PORT...]"
+    form = ("expected redis://HOST:PORT[/DB], rediss://..., redis+cluster://HOST:PORT[,HOST:PORT...] "
+            "or rediss+cluster://...")
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(f"remote: {redact(url)!r} is not a server address; {form}")
     scheme, rest = url.split("://", 1)
