@@ -123,7 +123,11 @@ def _create_marker(root: Path, backend: str) -> None:
     outer = next((p for p in root.parents if (p / MARKER).exists()), None)
     if outer is not None:  # its sweeps and evictions would see this store's files as its own
         raise StoreError(f"{root}: inside the kvtier store at {outer}; put a new store outside any other")
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # (read-only or special file system, no permission)
+        raise StoreError(f"{root}: cannot create the store directory ({exc.strerror or exc}); choose a "
+                         "path on a writable local file system") from exc
     marker = root / MARKER
     # Another process may be creating this store now: whatever it has put here is its store
     # once its marker exists (checked again after looking), and of two markers written at

@@ -63,3 +63,6 @@ def test_a_store_on_a_read_only_file_system_is_not_called_damaged(tmp_path: Path
         assert "Read-only file system" in str(exc.value)
         with ChunkStore(config(store, backend), readonly=True) as ro:
             assert ro.backend.usage()[0] == 1
+        # a new store there: refused saying so (it was a raw OSError from mkdir)
+        with pytest.raises(StoreError, match="cannot create the store directory .*Read-only file system"):
+            ChunkStore(config(mnt / "new", backend))
