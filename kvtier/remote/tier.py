@@ -282,9 +282,9 @@ class RemoteTier:
         return self.fetch_many([key])[0]
 
     def _fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
-        """Records for ``keys`` in one pipelined round trip per node, not yet verified: pass
-        them to :func:`kvtier.codec.decode_pieces`, and a record that fails there to
-        :meth:`discard`."""
+        """Records for ``keys`` in one or two pipelined round trips per node (see
+        :meth:`_read`), not yet verified: pass them to :func:`kvtier.codec.decode_pieces`, and
+        a record that fails there to :meth:`discard`."""
         out: list[RemoteRecord | None] = [None] * len(keys)
         try:
             routes = self.nodes.route([chunk_name(k) for k in keys])
