@@ -10,7 +10,7 @@ For 32 MiB and 2 MiB chunks (bf16 records of that size), in one run against the 
   pipelined in batches of 64 MiB, with no checks; twice: with redis-py's defaults (hiredis,
   which copies each value it sends) and with a connection that sends values without copying;
   the faster of the two is the baseline of each ratio;
-- kvtier: ``RemoteTier.store_many`` (existence check, parts, manifest) and ``fetch_many`` +
+- kvtier: ``RemoteTier.store_many`` (existence check, then one SET of manifest + payload per chunk) and ``fetch_many`` +
   ``codec.decode_pieces`` into preallocated tensors (every checksum verified), loads on
   ``--threads`` threads as ``ChunkStore`` does (up to 8 MiB of chunks per fetch).
 Reports GB/s of each, best of ``--repeat`` runs, and kvtier's ratio to the plain client.

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier import codec
-from kvtier.errors import ConfigError, RecordError
+from kvtier.errors import ConfigError, RecordError, RecordTooLarge
 from kvtier.remote.nodes import NodeUnavailable
 from kvtier.remote.tier import MAX_VALUE_BYTES, DamagedRemoteRecord
 
@@ -81,7 +81,7 @@ class KVPipe:
         self._head_seen_at = 0.0  # when _given_up last read the head
         # a message taken whose tail advance failed: (seq, key, outcome), handed out next time
         self._pending: tuple[int, bytes, object] | None = None
-        self._counts = {"received": 0, "skipped": 0, "damaged": 0}
+        self._counts = {"received": 0, "skipped": 0, "damaged": 0, "too_large": 0}
         _register_with_vllm()
         if str(where).startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
             self._store: _Store = _RedisStore(str(where), name, timeout_s, password, tls_ca)
@@ -123,8 +123,10 @@ class KVPipe:
 
     def recv_tensor(self, tensor_key: str = "", timeout: float | None = None) -> torch.Tensor | None:
         """The next tensor (or None) in send order, or the one sent under ``tensor_key``;
-        waits for it (up to ``timeout`` seconds, then :class:`TimeoutError`). A damaged message
-        is consumed and raises :class:`RecordError` once; the next receive gets the next one."""
+        waits for it (up to ``timeout`` seconds, then :class:`TimeoutError`), also while the
+        store cannot answer. A damaged message is consumed and raises :class:`RecordError`
+        once, one over ``max_tensor_bytes`` :class:`RecordTooLarge`; the next receive gets the
+        next one."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -134,7 +136,7 @@ class KVPipe:
                 self._store.delete(key)
             else:
                 if self._pending is None:
-                    seq = self._store.peek_seq("tail") + 1
+                    seq = self._peek_tail(deadline, timeout) + 1
                     key = _message_key(self.name, f"seq:{seq}")
                     self._pending = (seq, key, self._take(key, seq, deadline, timeout))
                 seq, key, outcome = self._pending
@@ -150,11 +152,27 @@ class KVPipe:
             if isinstance(outcome, RecordError):
                 self._counts["damaged"] += 1
                 raise outcome
+            if isinstance(outcome, RecordTooLarge):
+                self._counts["too_large"] += 1
+                raise outcome
             self._counts["received"] += 1
             out: torch.Tensor | None = outcome  # type: ignore[assignment]
             if out is not None and self.device != "cpu":
                 out = out.to(self.device)
             return out
+
+    def _peek_tail(self, deadline: float | None, timeout: float | None) -> int:
+        """The tail counter, waiting while the store cannot answer (up to the deadline)."""
+        wait = _POLL_S[0]
+        while True:
+            try:
+                return self._store.peek_seq("tail")
+            except OSError as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s "
+                                       f"(last error: {exc})") from exc
+            time.sleep(wait)
+            wait = min(wait * 2, _POLL_S[1])
 
     def _take(self, key: bytes, seq: int | None, deadline: float | None, timeout: float | None) -> object:
         """Wait for message ``key`` (place ``seq`` in the order, if by order) and decode it:
@@ -190,7 +208,7 @@ class KVPipe:
             return None
         try:
             return codec.decode_pieces(header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
-        except RecordError as exc:
+        except (RecordError, RecordTooLarge) as exc:  # consumed, raised once: never a wedged FIFO
             return exc
 
     def _given_up(self, seq: int) -> bool:
@@ -214,7 +232,8 @@ class KVPipe:
 
     def stats(self) -> dict[str, int]:
         """Messages this pipe object received, skipped (a failed send: its skip marker, or a
-        place left empty past ``skip_after_s``) and found damaged (raised as RecordError)."""
+        place left empty past ``skip_after_s``), found damaged (raised as RecordError) and found
+        over ``max_tensor_bytes`` (raised as RecordTooLarge)."""
         return dict(self._counts)
 
     def close(self) -> None:

@@ -191,7 +191,7 @@ class RedisNodes:
             return
         raise NodeUnavailable("no cluster node answered (" + ("; ".join(errors) or "all backing off") + ")")
 
-    def _refresh_later(self) -> None:
+    def refresh_later(self) -> None:
         """Re-read the slot map in the background (a failover moves slots to a replica)."""
         if not self._cluster_mode:
             return
@@ -251,7 +251,7 @@ class RedisNodes:
         except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as exc:
             if "No connection available" not in str(exc):  # our own pool busy: not the node's fault
                 breaker.failed()
-                self._refresh_later()
+                self.refresh_later()
             raise NodeUnavailable(f"{node}: {exc}") from exc
         except self._redis.RedisError as exc:
             # raised, not returned (raise_on_error=False returns each command's own error):
@@ -264,7 +264,7 @@ class RedisNodes:
         breaker.succeeded()
         moved = (self._redis.exceptions.MovedError, self._redis.exceptions.AskError)
         if any(isinstance(r, moved) for r in replies):
-            self._refresh_later()  # this batch's keys there are misses; the next ones route right
+            self.refresh_later()  # this batch's keys there are misses; the next ones route right
         return replies
 
     def close(self) -> None:

@@ -191,6 +191,7 @@ class RemoteTier:
         self._closed = False
         self._warn = RateLimitedLog().warning  # (kind, msg, *args)
         self._scripts = True  # lookups by script until a server refuses one
+        self._limits: dict[str, int] = {}  # each node's largest value (see _value_limit)
         self._writer: threading.Thread | None = None
         if writer:
             self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer",
@@ -269,6 +270,9 @@ class RemoteTier:
                 return [c == 0x31 for c in reply]
             if _is_transient(reply):  # a slot moving, a busy server: misses now, scripts kept
                 return [False] * len(names)
+            if "non local key" in str(reply):  # a stale slot map (resharding): misses now
+                self.nodes.refresh_later()
+                return [False] * len(names)
             # scripts refused (disabled, an ACL, a server older than Redis 7): EXISTS from now on
             self._scripts = False
             log.info("kvtier: remote tier %s refused the lookup script (%s); using pipelined EXISTS",
@@ -312,19 +316,23 @@ class RemoteTier:
 
     def _read(self, node: str, client: object, keys: list[bytes]) -> list[_Read]:
         """Read ``keys``' values from one node: the first piece of each (its manifest) in one
-        pipelined round trip, then the rest of those longer than a piece in a second; judge
-        nothing but what was found (no counter, no delete)."""
+        pipelined round trip, then, for those longer than a piece, the rest in a second;
+        judge nothing but what was found (no counter, no delete)."""
         names = [chunk_name(k) for k in keys]
         reads = [_Read() for _ in keys]
         pb = self.part_bytes
+        limit = self._value_limit(node, client)
         firsts = self.nodes.run(node, client, lambda p: [p.getrange(n, 0, pb - 1) for n in names])
         longer: list[tuple[_Read, str, bytes, bytes, int, int]] = []  # read, name, header, first, meta, total
+        empty: list[tuple[_Read, str]] = []  # "": absent, or an empty string (damage)
         for r, name, value in zip(reads, names, firsts, strict=True):
             if _is_wrong_type(value):
                 r.damage = RecordError("the chunk's key holds a value that is not a kvtier record")
             elif not isinstance(value, bytes):
                 r.error = value
-            elif value:  # (empty: absent)
+            elif not value:
+                empty.append((r, name))
+            else:
                 try:
                     header, meta, payload_len = unpack_manifest(value)
                 except RecordError as exc:
@@ -333,36 +341,53 @@ class RemoteTier:
                 r.manifest, total = value[:meta], meta + payload_len
                 if total == len(value):
                     r.record = RemoteRecord(header, [memoryview(value)[meta:]], r.manifest)
-                elif total < len(value) or len(value) < pb:
+                elif total < len(value) or len(value) < pb or total > limit:
                     r.damage = RecordError(f"the value has {len(value)} bytes, its manifest says {total}")
                 else:
                     longer.append((r, name, header, value, meta, total))
-        if not longer:
+        if not longer and not empty:
             return reads
-        # the rest in pieces, after its length: 0 if it went since the first piece (evicted),
-        # any other length than the manifest's is damage
+        # Second round trip: whether the empty ones exist; for each longer one its length,
+        # its other pieces, then its manifest again: a value rewritten meanwhile (another
+        # server's upload, a new write id) is a miss, not damage.
         spans = [[(off, min(off + pb, total) - 1) for off in range(pb, total, pb)] for *_, total in longer]
         replies = self.nodes.run(node, client, lambda p: [
-            cmd for item, sp in zip(longer, spans, strict=True)
-            for cmd in (p.strlen(item[1]), *(p.getrange(item[1], lo, hi) for lo, hi in sp))])
-        at = 0
+            *(p.exists(name) for _, name in empty),
+            *(cmd for (_, name, _, _, meta, _), sp in zip(longer, spans, strict=True)
+              for cmd in (p.strlen(name), *(p.getrange(name, lo, hi) for lo, hi in sp),
+                          p.getrange(name, 0, meta - 1)))])
+        for (r, _), there in zip(empty, replies, strict=False):
+            if there == 1:
+                r.damage = RecordError("the chunk's key holds an empty value")
+        at = len(empty)
         for (r, _, header, first, meta, total), sp in zip(longer, spans, strict=True):
-            size, got = replies[at], replies[at + 1 : at + 1 + len(sp)]
-            at += 1 + len(sp)
-            odd = next((g for g in (size, *got) if isinstance(g, Exception)), None)
+            size, got, again = replies[at], replies[at + 1 : at + 1 + len(sp)], replies[at + 1 + len(sp)]
+            at += 2 + len(sp)
+            odd = next((g for g in (size, *got, again) if isinstance(g, Exception)), None)
             if odd is not None and _is_wrong_type(odd):
                 r.damage = RecordError("the chunk's key changed type while read")
             elif odd is not None:
                 r.error = odd
-            elif size == 0:  # gone since its first piece: absent now
+            elif again != r.manifest:  # gone (evicted) or rewritten since its first piece: a miss
                 r.manifest = None
-            elif size != total:
+            elif size != total or [len(g) for g in got] != [hi - lo + 1 for lo, hi in sp]:
                 r.damage = RecordError(f"the value has {size} bytes, its manifest says {total}")
-            elif [len(g) for g in got] != [hi - lo + 1 for lo, hi in sp]:  # rewritten meanwhile
-                r.manifest = None  # a miss now; the next load reads the new value
             else:
                 r.record = RemoteRecord(header, [memoryview(first)[meta:], *got], r.manifest)
         return reads
+
+    def _value_limit(self, node: str, client: object) -> int:
+        """The largest value ``node`` takes (its ``proto-max-bulk-len``; asked once, 512 MB
+        where CONFIG is not allowed): a larger value makes the server drop the connection."""
+        limit = self._limits.get(node)
+        if limit is None:
+            (reply,) = self.nodes.run(node, client, lambda p: p.config_get("proto-max-bulk-len"))
+            try:
+                limit = int(reply["proto-max-bulk-len"])  # type: ignore[index]
+            except (TypeError, KeyError, ValueError):  # refused (an ACL, a managed service)
+                limit = MAX_VALUE_BYTES
+            self._limits[node] = limit
+        return limit
 
     def fetch_checked(self, key: bytes) -> RemoteRecord | None:
         """One record, for a caller that must tell "absent" from "there but unusable" (the KV
@@ -429,15 +454,20 @@ class RemoteTier:
         routed = sum(len(idx) for _, _, idx in routes)
         if routed < len(items):  # keys of a slot no node serves (a cluster mid-failover)
             self.counters.add(remote_dropped=len(items) - routed)
-        too_big = {i for i, (_, h, v) in enumerate(items) if len(h) + v.nbytes + 256 > MAX_VALUE_BYTES}
-        if too_big:  # the server would drop the connection mid-value
-            self.counters.add(remote_dropped=len(too_big))
-            self._warn("too-big", "kvtier: remote tier %s: not uploading %d record(s) over %d MiB, "
-                       "Redis's largest value", self.address.describe(), len(too_big), MAX_VALUE_BYTES >> 20)
-            routes = [(n, c, [i for i in idx if i not in too_big]) for n, c, idx in routes]
         for node, client, idx in routes:
             todo = list(idx)  # what a failure drops: all, then only those not there already
             try:
+                limit = self._value_limit(node, client)
+                too_big = [i for i in idx if _MANIFEST.size + len(items[i][1]) + _SUM.size
+                           + items[i][2].nbytes > limit]
+                if too_big:  # the server would drop the connection mid-value
+                    self.counters.add(remote_dropped=len(too_big))
+                    self._warn("too-big", "kvtier: remote tier %s: not uploading %d record(s) over %d "
+                               "bytes, the server's largest value (proto-max-bulk-len)",
+                               self.address.describe(), len(too_big), limit)
+                    todo = idx = [i for i in idx if i not in too_big]
+                    if not idx:
+                        continue
                 there = self.nodes.run(node, client, lambda p, idx=idx: [p.exists(names[i]) for i in idx])
                 todo = [i for i, r in zip(idx, there, strict=True) if r != 1]
                 if not todo:

@@ -99,7 +99,7 @@ def test_a_failed_send_does_not_stall_the_fifo(tmp_path: Path) -> None:
         p.send_tensor(torch.ones(4))
         assert p.recv_tensor(timeout=2).tolist() == [1.0] * 4  # the failed one is skipped
         assert len(calls) == 3  # the failed message, its skip marker, the next message
-        assert p.stats() == {"received": 1, "skipped": 1, "damaged": 0}
+        assert p.stats() == {"received": 1, "skipped": 1, "damaged": 0, "too_large": 0}
 
 
 def test_unsupported_tensors_are_refused_before_taking_a_place(tmp_path: Path) -> None:
@@ -137,7 +137,7 @@ def test_a_damaged_redis_message_raises_once_and_the_next_one_follows(redis_serv
         with pytest.raises(RecordError, match="damaged message"):
             cons.recv_tensor(timeout=2)
         assert cons.recv_tensor(timeout=2).tolist() == [1.0, 1.0, 1.0]
-        assert cons.stats() == {"received": 1, "skipped": 0, "damaged": 1}
+        assert cons.stats() == {"received": 1, "skipped": 0, "damaged": 1, "too_large": 0}
         assert list(c.scan_iter(match="kvt2:*")) == []  # the damaged one too
         with pytest.raises(TimeoutError):
             cons.recv_tensor(timeout=0.05)
@@ -229,3 +229,31 @@ def test_a_lost_tail_advance_reply_loses_no_message(redis_server: LocalRedis) ->
         assert cons.recv_tensor(timeout=2).tolist() == [1.0, 1.0]
         assert calls == [1, 1, 2]
         assert redis_server.client().get("kvpipe:{ta}:tail") == b"2"
+
+
+def test_a_message_over_the_consumers_limit_raises_once_and_the_next_one_follows(tmp_path: Path) -> None:
+    """It used to raise RecordTooLarge on every receive: never consumed, the FIFO wedged."""
+    from kvtier.errors import RecordTooLarge
+
+    with KVPipe(tmp_path, "lim") as prod, KVPipe(tmp_path, "lim", max_tensor_bytes=1000) as cons:
+        prod.send_tensor(torch.zeros(4000, dtype=torch.bool))
+        prod.send_tensor(torch.ones(2))
+        with pytest.raises(RecordTooLarge):
+            cons.recv_tensor(timeout=2)
+        assert cons.recv_tensor(timeout=2).tolist() == [1.0, 1.0]
+        assert cons.stats()["too_large"] == 1
+
+
+def test_a_receive_waits_while_the_server_is_down(tmp_path: Path) -> None:
+    """recv_tensor on a server that is down at the start is a wait (TimeoutError at its
+    timeout, naming the error), not an OSError at once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    with KVPipe(f"redis://127.0.0.1:{port}", "down", timeout_s=0.2) as p:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="last error"):
+            p.recv_tensor(timeout=1.0)
+        assert time.monotonic() - t0 >= 0.9

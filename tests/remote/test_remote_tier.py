@@ -430,27 +430,95 @@ def test_a_server_busy_with_a_long_script_is_a_miss_not_the_end_of_lookup_script
         c.config_set("busy-reply-threshold", 5000)
 
 
-def test_a_record_over_the_largest_redis_value_is_dropped_not_sent(redis_server: LocalRedis,
-                                                                   monkeypatch: pytest.MonkeyPatch,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """Redis drops the connection on a value over proto-max-bulk-len (512 MB): such a record
-    is counted and left local, the others of its batch go (the limit is lowered here)."""
-    from kvtier.remote import tier as tier_module
-
+def test_a_record_over_the_servers_largest_value_is_dropped_not_sent(redis_server: LocalRedis,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A value over proto-max-bulk-len makes Redis drop the connection (and kvtier then took
+    the node for down): such a record is counted and left local, the others of its batch go,
+    and the node keeps serving."""
     caplog.set_level(logging.WARNING, logger="kvtier")
-    monkeypatch.setattr(tier_module, "MAX_VALUE_BYTES", 100_000)
+    c = redis_server.client()
+    c.config_set("proto-max-bulk-len", 1 << 20)  # the smallest it takes: 1 MiB
     small, big = os.urandom(32), os.urandom(32)
     counters = Counters()
     tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
                       queue_bytes=1, counters=counters, writer=False)
     try:
-        assert tier.store_many([(small, b"h", memoryview(os.urandom(50_000))),
-                                (big, b"h", memoryview(os.urandom(200_000)))]) == 1
+        assert tier.store_many([(small, b"h", memoryview(os.urandom(500_000))),
+                                (big, b"h", memoryview(os.urandom(2_000_000)))]) == 1
         assert tier.count_present_prefix([small]) == 1 and tier.count_present_prefix([big]) == 0
+        assert tier.fetch(small) is not None
     finally:
         tier.close(0)
-    assert (counters.snapshot()["remote_saves"], counters.snapshot()["remote_dropped"]) == (1, 1)
-    assert "Redis's largest value" in caplog.text
+        c.config_set("proto-max-bulk-len", 512 << 20)
+    stats = counters.snapshot()
+    assert (stats["remote_saves"], stats["remote_dropped"], stats["remote_errors"]) == (1, 1, 0)
+    assert "the server's largest value (proto-max-bulk-len)" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["rewritten", "evicted"])
+def test_a_chunk_rewritten_or_gone_between_a_loads_two_round_trips_is_a_miss_not_damage(
+        redis_server: LocalRedis, case: str) -> None:
+    """A load reads a long value's first piece, then the rest: another server's upload of
+    the same chunk in between (a new write id) or an eviction is a miss, not corruption,
+    and the new copy stays."""
+    c = redis_server.client()
+    key = os.urandom(32)
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
+                      queue_bytes=1, counters=counters, writer=False)
+    writer = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
+                        queue_bytes=1, counters=Counters(), writer=False)
+    payload = memoryview(os.urandom(300_000))  # five pieces
+    real_run = tier.nodes.run
+    calls = []
+
+    def run_then_interfere(node, client, build):  # noqa: ANN001, ANN202
+        out = real_run(node, client, build)
+        calls.append(1)
+        if len(calls) == 2:  # after the first round trip (the first call asks the value limit)
+            c.delete(chunk_name(key))
+            if case == "rewritten":
+                assert writer.store_many([(key, b"h2", memoryview(os.urandom(250_000)))]) == 1
+        return out
+
+    try:
+        assert writer.store_many([(key, b"h", payload)]) == 1
+        tier.nodes.run = run_then_interfere
+        assert tier.fetch(key) is None
+        tier.nodes.run = real_run
+        assert counters.snapshot()["remote_corrupt"] == 0
+        assert c.exists(chunk_name(key)) == (case == "rewritten")  # the new copy is kept
+        if case == "rewritten":
+            assert tier.fetch(key) is not None
+    finally:
+        tier.close(0)
+        writer.close(0)
+
+
+@pytest.mark.parametrize("value", ["empty", "absurd_length"])
+def test_a_foreign_value_that_cannot_be_a_chunk_is_damage(redis_server: LocalRedis, value: str) -> None:
+    """An empty string under a chunk's key read as absent while lookups promised it and
+    uploads skipped it; a manifest (checksum intact) naming a terabyte made a load plan
+    millions of reads. Both are damage: counted, deleted."""
+    from kvtier.remote.tier import pack_manifest
+
+    c = redis_server.client()
+    key = os.urandom(32)
+    if value == "empty":
+        c.set(chunk_name(key), b"")
+    else:
+        c.set(chunk_name(key), pack_manifest(b"h", 1 << 40, os.urandom(8)) + os.urandom(1 << 16))
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
+                      queue_bytes=1, counters=counters, writer=False)
+    try:
+        assert tier.count_present_prefix([key]) == 1  # (there, as far as a lookup can tell)
+        assert tier.fetch(key) is None
+        assert counters.snapshot()["remote_corrupt"] == 1
+        assert not c.exists(chunk_name(key))
+        assert tier.count_present_prefix([key]) == 0
+    finally:
+        tier.close(0)
 
 
 @pytest.mark.parametrize("reads", ["documented", "without_getrange"])
