@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.codec import dtype_name
+from kvtier.codec import DTYPE_CODES, dtype_name
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError, StoreError
 from kvtier.keys import (
@@ -48,7 +48,10 @@ class KVCache:
 
     def __init__(self, store: ChunkStore, namespace: Namespace, *, tail_granularity: int = 16,
                  owns_store: bool = True) -> None:
-        self._dtype = _check_fits(namespace, store.config, tail_granularity)
+        """A cache over an open ``store``. ``owns_store``: :meth:`close` closes the store too;
+        pass False for caches that share one store (several namespaces), and close the store
+        yourself."""
+        self._dtype = _check_fits(namespace, store.config, tail_granularity, writes=not store.readonly)
         self.store = store
         self.namespace = namespace
         self.tail_granularity = tail_granularity
@@ -62,7 +65,7 @@ class KVCache:
         """Open (creating if needed) the store at ``path`` for ``namespace``."""
         cfg = config.replaced(path=Path(path)) if config else CacheConfig(
             path=Path(path), chunk_tokens=namespace.chunk_tokens)
-        _check_fits(namespace, cfg, tail_granularity)  # before the store is created or changed
+        _check_fits(namespace, cfg, tail_granularity, writes=not readonly)  # before the store is created or changed
         store = ChunkStore(cfg, readonly=readonly)
         try:
             return cls(store, namespace, tail_granularity=tail_granularity)
@@ -74,7 +77,9 @@ class KVCache:
         """Refuse a call that could only be lost: on a closed cache (it would save nothing
         and find nothing, silently) or, for a save, on one opened read-only."""
         if self.store.closed:
-            raise StoreError(f"{self.store.config.path}: cannot {what}: this cache was closed; open it again")
+            raise StoreError(f"{self.store.config.path}: cannot {what}: this cache's store was closed (by its "
+                             "close(), or another KVCache's that owned the same ChunkStore: give caches "
+                             "that share one owns_store=False); open it again")
         if writes and self.store.readonly:
             raise StoreError(f"{self.store.config.path}: cannot {what}: this cache was opened read-only; "
                              "open it without readonly=True to save")
@@ -210,7 +215,8 @@ class KVCache:
             raise ValueError(f"kv dtype {kv.dtype} differs from the namespace's {self.namespace.dtype}")
 
 
-def _check_fits(namespace: Namespace, config: CacheConfig, tail_granularity: int) -> torch.dtype:
+def _check_fits(namespace: Namespace, config: CacheConfig, tail_granularity: int, *,
+                writes: bool) -> torch.dtype:
     """Refuse a namespace that ``config`` cannot store (ConfigError); its torch dtype."""
     if namespace.chunk_tokens != config.chunk_tokens:
         raise ConfigError(
@@ -225,12 +231,23 @@ def _check_fits(namespace: Namespace, config: CacheConfig, tail_granularity: int
         raise ConfigError(
             f"max_record_bytes: {config.max_record_bytes} bytes is smaller than one chunk of this "
             f"namespace ({chunk_bytes} bytes); raise it or lower chunk_tokens")
+    if writes and chunk_bytes > config.write_queue_bytes:  # (every save would be dropped)
+        raise ConfigError(
+            f"write_queue_bytes: {config.write_queue_bytes} bytes is smaller than one chunk of this "
+            f"namespace ({chunk_bytes} bytes); raise it or lower chunk_tokens")
     return dtype
 
 
 def _torch_dtype(name: str) -> torch.dtype:
+    """The namespace's dtype, refused at open unless the record format stores it (else every
+    save would be dropped later, in the background)."""
     dt = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
         raise ConfigError(f"dtype: unknown torch dtype {name!r}")
-    assert dtype_name(dt) == name.removeprefix("torch.")
+    canonical = dtype_name(dt)
+    if canonical != name.removeprefix("torch."):  # an alias: "float", "half"
+        raise ConfigError(f"dtype: {name!r} is an alias; give its name, {canonical!r} (it is part of the namespace)")
+    if canonical not in DTYPE_CODES:
+        raise ConfigError(f"dtype: kvtier's record format does not store {canonical!r}; it stores "
+                          f"{', '.join(DTYPE_CODES)}")
     return dt

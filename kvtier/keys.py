@@ -128,13 +128,21 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(tokens)
     except (OverflowError, ValueError):  # ragged nesting, say
         raise ValueError("token ids must be a one-dimensional sequence of integers") from None
+    if arr.ndim == 0:  # (a generator, a scalar)
+        raise ValueError(f"token ids must be a one-dimensional sequence of integers (a list or an "
+                         f"array), got {type(tokens).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.size:
-        if arr.dtype.kind not in "iubfO":
+        if arr.dtype.kind not in "iufO":
             raise ValueError(f"token ids must be integers, got {arr.dtype} values")
         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.floor(arr))):
             raise ValueError("token ids must be integers, got fractional values")  # (0.5 would key as 0)
+        if arr.dtype.kind == "O" and not all(isinstance(t, int | np.integer) and not isinstance(t, bool)
+                                              for t in arr):  # (Decimal("0.5") would key as 0)
+            raise ValueError("token ids must be integers, got "
+                             + next(type(t).__name__ for t in arr if not isinstance(t, int | np.integer)
+                                    or isinstance(t, bool)) + " values")
         try:  # in range before the cast, which would wrap what is not (ints beyond int64: object)
             if arr.min() < 0 or arr.max() >= 2**32:
                 raise ValueError("token ids must be in [0, 2**32)")

@@ -4,6 +4,7 @@ backend or of another on-disk layout are refused with a clear message and left u
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def test_a_closed_or_read_only_cache_refuses_what_it_would_lose(tmp_path: Path) 
     assert (after["disk_records"], after["disk_bytes"]) == (before["disk_records"], before["disk_bytes"]) != (0, 0)
     for call in (lambda: cache.save(toks, make_kv(toks)), cache.flush, lambda: cache.lookup(toks),
                  lambda: cache.load(toks)):
-        with pytest.raises(StoreError, match="this cache was closed"):
+        with pytest.raises(StoreError, match="this cache's store was closed"):
             call()
     with open_cache(path, "files") as cache, pytest.raises(ValueError, match="max_tokens"):
         cache.load(toks, max_tokens=-1)
@@ -134,8 +135,14 @@ def test_namespace_and_cache_mismatches_are_config_errors(tmp_path: Path) -> Non
         open_cache(tmp_path / "b", tail=5)
     with pytest.raises(ConfigError, match="dtype"):
         KVCache.open(tmp_path / "c", namespace(dtype="bf16"))
+    with pytest.raises(ConfigError, match="'float' is an alias; give its name, 'float32'"):
+        KVCache.open(tmp_path / "c", namespace(dtype="float"))
+    with pytest.raises(ConfigError, match="does not store 'complex64'"):  # (every save dropped, before)
+        KVCache.open(tmp_path / "c", namespace(dtype="complex64"))
     with pytest.raises(ConfigError, match="max_record_bytes.*smaller than one chunk"):
         KVCache.open(tmp_path / "d", namespace(), config(tmp_path / "d", max_record_bytes="4K"))
+    with pytest.raises(ConfigError, match="write_queue_bytes.*smaller than one chunk"):  # (all dropped)
+        KVCache.open(tmp_path / "d", namespace(), config(tmp_path / "d", write_queue_bytes="4K"))
     assert not any((tmp_path / n).exists() for n in "abcd")  # refused before anything was created
 
 
@@ -144,6 +151,9 @@ def test_namespace_and_cache_mismatches_are_config_errors(tmp_path: Path) -> Non
     ([2**32] * CHUNK, r"in \[0, 2\*\*32\)"),
     ([10**20] * CHUNK, r"in \[0, 2\*\*32\)"),
     ([-1] * CHUNK, r"in \[0, 2\*\*32\)"),
+    (np.array([Decimal("0.5")] * CHUNK, dtype=object), "got Decimal values"),  # (keyed as 0 before)
+    (np.ones(CHUNK, dtype=bool), "got bool values"),
+    ((t for t in range(CHUNK)), "a one-dimensional sequence of integers .* got generator"),
 ])
 def test_token_ids_that_are_not_uint32_are_refused(tmp_path: Path, ids: list, message: str) -> None:
     with open_cache(tmp_path / "s") as cache:

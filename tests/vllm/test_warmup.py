@@ -286,15 +286,13 @@ def test_chunks_larger_than_the_write_queue_are_an_error(tiny_model: Path, tmp_p
 
     store = tmp_path / "store"
     prompts = _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}])
-    # < one full chunk (256 KiB). The 32-token tail (32 KiB) fits, but without the chunk it
-    # extends no lookup could reach it: it is not stored either (saves_unreachable)
+    # < one full chunk (256 KiB): refused before any work (every chunk would be dropped)
     rc = main(_cli(tiny_model, prompts, {"path": str(store), "write_queue_bytes": "128K"}))
-    summary = json.loads(capsys.readouterr().out)
-    assert rc == 1 and summary["chunks_stored"] == 0 == _records_in(store) and summary["prompts"] == 0
-    assert summary["errors"] == [
-        "line 1: 2 of 2 chunk(s) not stored: the write queue could not take them (write_queue_bytes is "
-        "131,072 bytes; one chunk may need more); raise write_queue_bytes in --config, then run the "
-        "warm-up again"]
+    out, err = capsys.readouterr()
+    assert rc != 0 and out == "" and _records_in(store) == 0, err
+    line = err.strip().splitlines()[-1]  # (after transformers' own progress lines)
+    assert line.startswith("kvtier: error: write_queue_bytes: 131072 bytes is smaller than one chunk of "
+                           "this namespace (262144 bytes); raise it or lower chunk_tokens"), line
 
 
 def test_a_store_that_does_not_finish_writing_ends_the_warm_up(tiny_model: Path, tmp_path: Path,
