@@ -109,7 +109,13 @@ class CacheConfig:
             self.path = Path(self.path)
         if not isinstance(self.path, Path):
             raise ConfigError(f"path: expected a directory path, got {self.path!r}")
-        self.path = self.path.expanduser()
+        if "\0" in str(self.path):
+            raise ConfigError(f"path: {str(self.path)!r} contains a NUL character")
+        # absolute once: threads and pools open files under it later, after any os.chdir
+        self.path = self.path.expanduser().absolute()
+        if self.path.is_symlink() and not self.path.exists():
+            raise ConfigError(f"path: {self.path} is a symbolic link to nothing ({os.readlink(self.path)}); "
+                              "create its target or choose another path")
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"path: {self.path} exists and is not a directory; choose a directory for the store")
         above = next((p for p in self.path.parents if p.exists()), None)  # (the nearest that exists)

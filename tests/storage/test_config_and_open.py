@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvhelpers import CHUNK, TAIL, config, make_kv, namespace, open_cache, tokens
+from kvhelpers import CHUNK, TAIL, config, make_kv, namespace, open_cache, same_bits, tokens
 
 from kvtier import CacheConfig, ChunkStore, KVCache
 from kvtier.backends import MARKER, StoreLock, stored_config
@@ -391,3 +391,31 @@ def test_two_processes_creating_one_store_with_different_backends_end_with_one_s
         assert not (Path(path) / loser).exists(), f"{path}: the refused backend left its records"
         with open_cache(path, winner) as cache:  # whole and usable
             assert cache.lookup(tokens(paths.index(path), CHUNK)) == CHUNK
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_a_relative_path_holds_after_the_process_changes_directory(tmp_path: Path, backend: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files backend opened paths under a relative store path after an os.chdir: saves
+    failed, and a load took the missing file for one removed by hand and dropped a good entry."""
+    monkeypatch.chdir(tmp_path)
+    toks, later = tokens(1, 2 * CHUNK), tokens(2, 2 * CHUNK)
+    with open_cache("rel", backend) as cache:
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        cache.save(later, make_kv(later))
+        assert cache.flush(30)
+        assert same_bits(cache.load(toks), make_kv(toks)) and same_bits(cache.load(later), make_kv(later))
+        stats = cache.stats()
+        assert stats["io_errors"] == 0 and stats["missing_payloads"] == 0
+    assert cache.store.config.path == tmp_path / "rel"
+
+
+def test_paths_that_cannot_be_a_store_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="NUL"):
+        CacheConfig(path=Path("/tmp/a\0b"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="symbolic link to nothing"):
+        CacheConfig(path=tmp_path / "dangling")
