@@ -19,9 +19,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ from kvtier.errors import (
     IncompatibleRecord,
     RecordError,
     RecordTooLarge,
+    StoreError,
 )
 from kvtier.host_tier import HostTier
 from kvtier.metrics import Counters
@@ -715,9 +717,24 @@ class ChunkStore:
         for _ in range(len(keys)):
             # this read and, before it is handed over, up to ahead() more
             while started < len(keys) and len(futures) <= max(1, ahead()):
-                futures.append(self._loads.submit(self._load_guarded, keys[started]))
+                futures.append(self._submit(self._load_guarded, keys[started]))
                 started += 1
-            yield futures.popleft().result()  # (no name keeps it here once handed over)
+            yield self._result(futures.popleft())  # (no name keeps it here once handed over)
+
+    def _submit(self, fn: Callable[..., object], *args: object) -> Future[Any]:
+        """``fn`` on the I/O pool; a pool that refuses (the store was closed meanwhile, or
+        the interpreter is exiting) is a StoreError, not the pool's RuntimeError."""
+        try:
+            return self._loads.submit(fn, *args)
+        except RuntimeError as exc:
+            raise StoreError(f"{self.config.path}: the store was closed ({exc})") from None
+
+    def _result(self, fut: Future[Any]) -> Any:
+        """A pool job's result; one that close() cancelled is a StoreError."""
+        try:
+            return fut.result()
+        except CancelledError:
+            raise StoreError(f"{self.config.path}: the store was closed while loading") from None
 
     def _load_guarded(self, key: bytes, out: torch.Tensor | None = None, *,
                       out_is_scratch: bool = False) -> Loaded:
@@ -732,7 +749,7 @@ class ChunkStore:
                   ) -> Future[list[torch.Tensor | None]]:
         """Load several chunks on the I/O pool; the future's result has None for misses."""
         outs = list(outs) if outs is not None else [None] * len(keys)
-        return self._loads.submit(lambda: [self.get(k, o) for k, o in zip(keys, outs, strict=True)])
+        return self._submit(lambda: [self.get(k, o) for k, o in zip(keys, outs, strict=True)])
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         """Load chunks straight into ``outs`` (one per key), in parallel on the I/O pool, and
@@ -756,10 +773,10 @@ class ChunkStore:
                     break
                 n += 1
             return n
-        futures = [self._loads.submit(get, k, o) for k, o in zip(keys, outs, strict=True)]
+        futures = [self._submit(get, k, o) for k, o in zip(keys, outs, strict=True)]
         n = len(futures)
         for i, fut in enumerate(futures):
-            if fut.result() is None:
+            if self._result(fut) is None:
                 n = i
                 break
         rest = futures[n + 1:]
@@ -771,7 +788,7 @@ class ChunkStore:
 
     def prefetch(self, keys: Sequence[bytes]) -> Future[int]:
         """Bring chunks into the host tier ahead of use; the future gives how many are there."""
-        return self._loads.submit(lambda: sum(self.get(k) is not None for k in keys))
+        return self._submit(lambda: sum(self.get(k) is not None for k in keys))
 
     def prefetch_recent(self, namespace_id: bytes, max_bytes: int, reader: str = "default") -> Future[int]:
         """In the background: bring one namespace's most recently used chunks, up to

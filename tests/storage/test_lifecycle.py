@@ -104,3 +104,51 @@ c.save(list(range(2048)), torch.randn(2, 2, 2048, 2, 32).to(torch.bfloat16))
     ns = Namespace(model="m", weights_fingerprint="x", dtype="bfloat16", kv_shape=(2, 2, 2, 32))
     with KVCache.open(path, ns, CacheConfig(path=path, chunk_tokens=256), readonly=True) as c:
         assert c.lookup(list(range(2048))) == 2048
+
+
+@pytest.mark.parametrize("backend", ["files", "lmdb"])
+def test_loads_racing_close_get_a_store_error(tmp_path: Path, backend: str) -> None:
+    """A load in another thread while the cache closes gets StoreError ("closed"), never the
+    I/O pool's CancelledError or RuntimeError, and never wrong data."""
+    from kvhelpers import make_kv, namespace, same_bits
+    from kvhelpers import tokens as rand_tokens
+
+    from kvtier.errors import StoreError
+
+    toks = rand_tokens(7, 40 * 16)
+    kv = make_kv(toks)
+    seen: dict[str, int] = {}
+    for r in range(6):
+        path = tmp_path / f"s{r}"
+        ns = namespace(chunk_tokens=16)
+        cfg = CacheConfig(path=path, backend=backend, chunk_tokens=16, io_threads=2,
+                          host_bytes=0 if r % 2 else "1M")  # 0: every load is a bulk load
+        cache = KVCache.open(path, ns, cfg, tail_granularity=16)
+        cache.save(toks, kv, wait=10)
+        assert cache.flush(30)
+        stop = threading.Event()
+
+        def loads(c: KVCache = cache, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                try:
+                    out = c.load(toks)
+                    assert same_bits(out, kv[:, :, : out.shape[2]]), "wrong data"
+                    name = "ok"
+                except StoreError:
+                    name = "StoreError"
+                except Exception as exc:  # what the test is about
+                    name = type(exc).__name__
+                seen[name] = seen.get(name, 0) + 1
+
+        threads = [threading.Thread(target=loads) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.05 + 0.05 * r)
+        cache.close()
+        time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+    assert set(seen) <= {"ok", "StoreError"}, seen
+    assert seen.get("StoreError", 0) > 0
