@@ -12,6 +12,7 @@ serving loop for a storage fault.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
@@ -100,14 +101,15 @@ forksafe.register(forksafe.STORE, after_in_child=_stores_after_fork_in_child)
 
 
 def _flush_stores_at_exit() -> None:
-    """Commit what open stores have queued while the interpreter still runs thread pools.
+    """Commit what open stores have queued, at interpreter exit.
 
     At exit Python stops every ``ThreadPoolExecutor`` from taking work (its own hook, run
     from ``threading._shutdown``) before ``atexit`` handlers and finalizers run, so a store
     closed that late (an in-process vLLM engine's, a cache never closed) could not write
     what it had queued: the files backend's writes go through a pool. Hooks registered
-    later run first, so this one runs before the pools stop. Bounded by each store's
-    ``close_timeout_s``."""
+    later run first, so this one runs before the pools stop; it runs again from ``atexit``,
+    after the threads that outlived the main one are joined. Each bounded by the store's
+    ``close_timeout_s``. (``os._exit`` and a signal's default action run neither.)"""
     for store in list(_LIVE_STORES):
         if not store.closed and not store.readonly:
             with contextlib.suppress(Exception):  # never fail the interpreter's exit
@@ -116,6 +118,9 @@ def _flush_stores_at_exit() -> None:
 
 with contextlib.suppress(AttributeError, RuntimeError):  # (private: absent in some Pythons)
     threading._register_atexit(_flush_stores_at_exit)  # type: ignore[attr-defined]
+# and again once Python has joined the threads that were still running (their saves came
+# after the first flush; the files backend then writes on its own thread, pools being shut)
+atexit.register(_flush_stores_at_exit)
 
 
 class ChunkStore:

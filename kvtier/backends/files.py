@@ -248,7 +248,10 @@ class FilePayloads(PayloadStore):
         by a moment on a busy machine, and a save right after ``flush`` found the pool full
         (a dropped save). ``fn`` itself stays in the work item: never pass a bound method
         of something that holds a chunk."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, _call_and_drop, fn, args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _call_and_drop, fn, args)
+        except RuntimeError:  # the pool takes no work (the interpreter is exiting): here, then
+            return _call_and_drop(fn, args)
 
     async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview, *,
                             in_place: bool = False) -> bool:

@@ -83,20 +83,25 @@ def test_prefetch_and_async_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["files", "lmdb"])
-def test_saves_queued_when_the_interpreter_exits_are_committed(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize("saver", ["main", "a thread that outlives it"])
+def test_saves_queued_when_the_interpreter_exits_are_committed(tmp_path: Path, backend: str, saver: str) -> None:
     """A cache never closed (or closed by an engine's own exit hooks) still commits what it
     queued: at exit Python stops thread pools before atexit handlers run, and the files
-    backend writes through one (it kept 1 of 8 chunks)."""
+    backend writes through one (it kept 1 of 8 chunks; 0 of 40 prompts saved by a thread
+    that ran on after the main one ended)."""
     import subprocess
     import sys
 
     path = tmp_path / "s"
+    save = "c.save(list(range(2048)), torch.randn(2, 2, 2048, 2, 32).to(torch.bfloat16))"
+    if saver != "main":
+        save = f"threading.Thread(target=lambda: (time.sleep(0.5), {save})).start()"
     script = f"""
-import torch
+import threading, time, torch
 from kvtier import CacheConfig, KVCache, Namespace
 ns = Namespace(model="m", weights_fingerprint="x", dtype="bfloat16", kv_shape=(2, 2, 2, 32))
 c = KVCache.open({str(path)!r}, ns, CacheConfig(path={str(path)!r}, backend={backend!r}, chunk_tokens=256))
-c.save(list(range(2048)), torch.randn(2, 2, 2048, 2, 32).to(torch.bfloat16))
+{save}
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
