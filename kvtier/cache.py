@@ -155,13 +155,17 @@ class KVCache:
 
         Every chunk is verified; loading stops at the first chunk that is missing or fails
         verification, so the result is always a correct (possibly shorter, possibly empty) prefix.
+        ``max_tokens``: load at most that many tokens, whole chunks (and the tail) only: the
+        longest cached prefix that ends at or before it (so fewer than one chunk's worth
+        loads nothing).
         The result's memory is its own, given back to the system when the result is dropped;
         it cannot grow in place (``resize_`` to a larger size raises and leaves that tensor's
         sizes changed: copy it instead).
         """
         self._open_for("load")
-        if max_tokens is not None and max_tokens < 0:
-            raise ValueError(f"max_tokens must be 0 or more, got {max_tokens}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer)
+                                       or max_tokens < 0):
+            raise ValueError(f"max_tokens must be an integer, 0 or more, got {max_tokens!r}")
         hits = self.match(tokens, extras)
         if max_tokens is not None:
             hits = [h for h in hits if h.end <= max_tokens]
@@ -213,6 +217,8 @@ class KVCache:
             raise ValueError(f"kv must have shape {list(want)} ([layers, 2, tokens, kv_heads, head_dim]), got {list(kv.shape)}")
         if kv.dtype != self._dtype:
             raise ValueError(f"kv dtype {kv.dtype} differs from the namespace's {self.namespace.dtype}")
+        if kv.device.type == "meta":
+            raise ValueError("kv is on the meta device: it has no values to save")
 
 
 def _check_fits(namespace: Namespace, config: CacheConfig, tail_granularity: int, *,

@@ -94,6 +94,8 @@ class CacheConfig:
         """
         known = {f.name for f in dataclasses.fields(cls)} | set(also_known)
         for key in values:
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}: setting names are strings, got {key!r}")
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""

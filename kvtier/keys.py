@@ -108,6 +108,9 @@ class ChunkRef(NamedTuple):
 
 def chain_seed(namespace: Namespace, extras: RequestExtras = NO_EXTRAS) -> bytes:
     """The parent 'key' of chunk 0: binds the namespace and the request extras."""
+    if not isinstance(extras, RequestExtras):  # (a dict would fail deep inside, unexplained)
+        raise TypeError(f"extras: expected kvtier.RequestExtras(cache_salt=..., lora=..., mm_hashes=...), "
+                        f"got {type(extras).__name__}")
     h = hashlib.sha256(b"kvtier-chain\x00")
     h.update(namespace.id)
     h.update(extras.canonical())

@@ -556,11 +556,14 @@ class ChunkStore:
 
     def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Load a chunk (into ``out`` if given); None unless it was a hit (see :meth:`load`
-        for what happened instead). Never an exception for a storage fault."""
+        for what happened instead). Never an exception for a storage fault. Without ``out``,
+        a host-tier hit is the host tier's own tensor: read it, copy it, never change it
+        (a change would be what later loads return)."""
         return self.load(key, out).tensor
 
     def load(self, key: bytes, out: torch.Tensor | None = None, *, out_is_scratch: bool = False) -> Loaded:
-        """Load a chunk (into ``out`` if given) and say what happened. With
+        """Load a chunk (into ``out`` if given) and say what happened (the tensor, as
+        :meth:`get` says, is read-only without ``out``). With
         ``out_is_scratch``, ``out`` may be written before the record is verified (its contents
         are unspecified unless the outcome is a hit), which saves a copy of the record."""
         t = self.host.get(key)

@@ -419,3 +419,17 @@ def test_paths_that_cannot_be_a_store_are_config_errors(tmp_path: Path) -> None:
     (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
     with pytest.raises(ConfigError, match="symbolic link to nothing"):
         CacheConfig(path=tmp_path / "dangling")
+
+
+def test_misused_arguments_say_what_to_give(tmp_path: Path) -> None:
+    toks = tokens(1, CHUNK)
+    with open_cache(tmp_path / "s") as cache:
+        with pytest.raises(TypeError, match="expected kvtier.RequestExtras"):
+            cache.lookup(toks, {"cache_salt": "a"})  # type: ignore[arg-type]
+        for bad in ("40", 2.5, True, -1):
+            with pytest.raises(ValueError, match="max_tokens must be an integer, 0 or more"):
+                cache.load(toks, max_tokens=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="meta device"):
+            cache.save(toks, make_kv(toks).to("meta"))
+    with pytest.raises(ConfigError, match="setting names are strings, got 5"):
+        CacheConfig.from_dict({5: 1})  # type: ignore[dict-item]

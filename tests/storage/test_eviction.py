@@ -74,6 +74,22 @@ def test_disk_budget_evicts_least_recently_used(tmp_path: Path, backend: str) ->
         assert (records, nbytes) == (len(entries), sum(e.size for e in entries)) == (13, 13 * RECORD)
 
 
+def test_within_one_commit_the_least_recently_saved_go_first(tmp_path: Path, backend: str) -> None:
+    """Saves that land in one group commit got one time: eviction then chose among them by
+    key, at random (an audit kept prompts 0, 6 and 8 of ten). They are now ordered."""
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        occupied = cache.store.backend.payloads.occupied(RECORD)
+    with open_cache(store, backend, disk_bytes=int(8.5 * occupied)) as cache:
+        prompts = [_seq("A", i) for i in range(20)]
+        for toks in prompts:  # no flush between: one or a few commits
+            cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        kept = [i for i, toks in enumerate(prompts) if cache.lookup(toks)]
+        assert cache.stats()["evicted_disk"] > 0
+    assert kept == list(range(20 - len(kept), 20)), kept  # the newest, whatever their keys
+
+
 def test_a_lowered_budget_holds_without_waiting_for_a_save(tmp_path: Path, backend: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer opened with a lower disk_bytes evicts down to it at once (least recently
