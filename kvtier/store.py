@@ -111,9 +111,10 @@ def _flush_stores_at_exit() -> None:
     after the threads that outlived the main one are joined. Each bounded by the store's
     ``close_timeout_s``. (``os._exit`` and a signal's default action run neither.)"""
     for store in list(_LIVE_STORES):
-        if not store.closed and not store.readonly:
+        if not store.closed and not store.readonly and not store._exit_flush_gave_up:
             with contextlib.suppress(Exception):  # never fail the interpreter's exit
-                store.flush(float(store.config.close_timeout_s))
+                # (a hung disk costs the exit one close_timeout_s, not one per run of this)
+                store._exit_flush_gave_up = not store.flush(float(store.config.close_timeout_s))
 
 
 with contextlib.suppress(AttributeError, RuntimeError):  # (private: absent in some Pythons)
@@ -158,6 +159,7 @@ class ChunkStore:
         self._cv = threading.Condition()
         self._closed = False
         self._usage_at_close: tuple[int, int] = (0, 0)
+        self._exit_flush_gave_up = False  # (see _flush_stores_at_exit)
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
         self._start_writer()
         _LIVE_STORES.add(self)
