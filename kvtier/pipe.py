@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from kvtier import codec
 from kvtier.errors import ConfigError, RecordError, RecordTooLarge
 from kvtier.remote.nodes import NodeUnavailable
-from kvtier.remote.tier import MAX_VALUE_BYTES, DamagedRemoteRecord
+from kvtier.remote.tier import MAX_VALUE_BYTES, DamagedRemoteRecord, RemoteRefused, is_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +82,7 @@ class KVPipe:
         # a message taken whose tail advance failed: (seq, key, outcome), handed out next time
         self._pending: tuple[int, bytes, object] | None = None
         self._counts = {"received": 0, "skipped": 0, "damaged": 0, "too_large": 0}
+        self._said_waiting = -1e9  # when _waiting last logged
         _register_with_vllm()
         if str(where).startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
             self._store: _Store = _RedisStore(str(where), name, timeout_s, password, tls_ca)
@@ -124,9 +125,10 @@ class KVPipe:
     def recv_tensor(self, tensor_key: str = "", timeout: float | None = None) -> torch.Tensor | None:
         """The next tensor (or None) in send order, or the one sent under ``tensor_key``;
         waits for it (up to ``timeout`` seconds, then :class:`TimeoutError`), also while the
-        store cannot answer. A damaged message is consumed and raises :class:`RecordError`
-        once, one over ``max_tensor_bytes`` :class:`RecordTooLarge`; the next receive gets the
-        next one."""
+        store cannot answer; a server that refuses this client (credentials, a database it
+        lacks, an ACL) raises :class:`~kvtier.remote.tier.RemoteRefused` (an ``OSError``) at
+        once. A damaged message is consumed and raises :class:`RecordError` once, one over
+        ``max_tensor_bytes`` :class:`RecordTooLarge`; the next receive gets the next one."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -162,12 +164,16 @@ class KVPipe:
             return out
 
     def _peek_tail(self, deadline: float | None, timeout: float | None) -> int:
-        """The tail counter, waiting while the store cannot answer (up to the deadline)."""
+        """The tail counter, waiting while the store cannot answer (up to the deadline);
+        a server that refuses this client raises at once (:class:`RemoteRefused`)."""
         wait = _POLL_S[0]
         while True:
             try:
                 return self._store.peek_seq("tail")
+            except RemoteRefused:
+                raise
             except OSError as exc:
+                self._waiting(exc)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s "
                                        f"(last error: {exc})") from exc
@@ -184,8 +190,11 @@ class KVPipe:
                 got = self._store.get(key)
             except RecordError as exc:  # there but unreadable: consumed like any message
                 return exc
+            except RemoteRefused:  # it never will (credentials, permissions): say so now
+                raise
             except OSError as exc:  # the store cannot say now (down, slow): wait on
                 got, last_error = None, exc
+                self._waiting(exc)
             else:
                 if got is not None:
                     break
@@ -210,6 +219,13 @@ class KVPipe:
             return codec.decode_pieces(header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
         except (RecordError, RecordTooLarge) as exc:  # consumed, raised once: never a wedged FIFO
             return exc
+
+    def _waiting(self, exc: OSError) -> None:
+        """Say, at most every 30 s, that a receive waits for a store that cannot answer."""
+        now = time.monotonic()
+        if now - self._said_waiting >= 30.0:
+            self._said_waiting = now
+            log.warning("kvtier pipe %r: the store cannot answer (%s); waiting", self.name, exc)
 
     def _given_up(self, seq: int) -> bool:
         """Place ``seq`` is empty: give up on it once a later place has been taken for
@@ -310,9 +326,11 @@ class _RedisStore(_Store):
             ((node, client, _),) = routes
             (reply,) = self.tier.nodes.run(node, client, build)
         except NodeUnavailable as exc:
-            raise OSError(f"kvtier pipe {self.name!r}: the server is unavailable ({exc})") from exc
+            kind = RemoteRefused if exc.refused else OSError
+            raise kind(f"kvtier pipe {self.name!r}: the server is unavailable ({exc})") from exc
         if isinstance(reply, Exception):
-            raise OSError(f"kvtier pipe {self.name!r}: the server refused a counter update ({reply})")
+            kind = RemoteRefused if is_refusal(reply) else OSError
+            raise kind(f"kvtier pipe {self.name!r}: the server refused a counter update ({reply})")
         return int(reply or 0)
 
     def next_seq(self, counter: str) -> int:

@@ -111,10 +111,21 @@ def _flush_stores_at_exit() -> None:
     after the threads that outlived the main one are joined. Each bounded by the store's
     ``close_timeout_s``. (``os._exit`` and a signal's default action run neither.)"""
     for store in list(_LIVE_STORES):
-        if not store.closed and not store.readonly and not store._exit_flush_gave_up:
-            with contextlib.suppress(Exception):  # never fail the interpreter's exit
-                # (a hung disk costs the exit one close_timeout_s, not one per run of this)
-                store._exit_flush_gave_up = not store.flush(float(store.config.close_timeout_s))
+        if store.closed or store.readonly or store._exit_flush_gave_up:
+            continue
+        # A store whose writer made no progress in a whole close_timeout_s (a hung disk) is
+        # not waited for again: the exit costs one timeout, not one per run of this. One
+        # that is still committing (a thread still saving) is waited for again. Marked
+        # before waiting, so a Ctrl-C here does not make the next run wait too.
+        store._exit_flush_gave_up = True
+        before = store.counters.snapshot()
+        try:
+            drained = store.flush(float(store.config.close_timeout_s))
+        except Exception:  # never fail the interpreter's exit
+            continue
+        after = store.counters.snapshot()
+        progress = any(after[k] != before[k] for k in ("saves_committed", "dropped_saves", "saves_duplicate"))
+        store._exit_flush_gave_up = not drained and not progress
 
 
 with contextlib.suppress(AttributeError, RuntimeError):  # (private: absent in some Pythons)

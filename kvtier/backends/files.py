@@ -249,9 +249,10 @@ class FilePayloads(PayloadStore):
         (a dropped save). ``fn`` itself stays in the work item: never pass a bound method
         of something that holds a chunk."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, _call_and_drop, fn, args)
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, _call_and_drop, fn, args)
         except RuntimeError:  # the pool takes no work (the interpreter is exiting): here, then
             return _call_and_drop(fn, args)
+        return await fut
 
     async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview, *,
                             in_place: bool = False) -> bool:

@@ -70,24 +70,39 @@ def zero_copy_connection_classes() -> tuple[type, type]:
 
 
 class NodeUnavailable(Exception):
-    """The node is down, timed out, or skipped while its back-off runs."""
+    """The node is down, timed out, or skipped while its back-off runs. ``refused``: it
+    answered but refused this client (credentials, a database it lacks): waiting for it
+    will not help."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class _Breaker:
     def __init__(self) -> None:
         self.down_until = 0.0
         self.backoff = BACKOFF_FIRST_S
+        self.refusal: str | None = None  # why the node last refused this client, if it did
 
     def open_now(self) -> bool:
         return time.monotonic() < self.down_until
 
-    def failed(self) -> None:
+    def failed(self, refusal: str | None = None) -> None:
         self.down_until = time.monotonic() + self.backoff
         self.backoff = min(self.backoff * 2, BACKOFF_MAX_S)
+        self.refusal = refusal
 
     def succeeded(self) -> None:
         self.down_until = 0.0
         self.backoff = BACKOFF_FIRST_S
+        self.refusal = None
+
+    def skipped(self, node: str) -> NodeUnavailable:
+        """What a call skipped while the back-off runs raises (a refusal stays one)."""
+        if self.refusal is not None:
+            return NodeUnavailable(f"{node}: {self.refusal}", refused=True)
+        return NodeUnavailable(node)
 
 
 _Slots = tuple[list[int], list[tuple[int, int, str, int]]]  # range starts; (lo, hi, host, port)
@@ -155,9 +170,12 @@ class RedisNodes:
         """A ``redis://`` address may name a cluster node: then route as a cluster."""
         b = self._breaker(self._single_name)
         if b.open_now():
-            raise NodeUnavailable(self._single_name)
+            raise b.skipped(self._single_name)
         try:
             info = self._client(*self.address.nodes[0]).info("cluster")
+        except self._redis.AuthenticationError as exc:
+            b.failed(refusal := f"the server refused the credentials ({exc})")
+            raise NodeUnavailable(f"{self._single_name}: {refusal}", refused=True) from exc
         except self._redis.ResponseError:  # INFO disabled (some managed services): one server
             info = {}
         except self._redis.RedisError as exc:
@@ -243,11 +261,14 @@ class RedisNodes:
         raises :class:`NodeUnavailable` if the node is down or slow."""
         breaker = self._breaker(node)
         if breaker.open_now():
-            raise NodeUnavailable(node)
+            raise breaker.skipped(node)
         try:
             with client.pipeline(transaction=False) as pipe:
                 build(pipe)
                 replies = pipe.execute(raise_on_error=False)
+        except self._redis.AuthenticationError as exc:  # (a ConnectionError: before it)
+            breaker.failed(refusal := f"the server refused the credentials ({exc})")
+            raise NodeUnavailable(f"{node}: {refusal}", refused=True) from exc
         except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as exc:
             if "No connection available" not in str(exc):  # our own pool busy: not the node's fault
                 breaker.failed()
@@ -258,9 +279,9 @@ class RedisNodes:
             # the connection's set-up was refused, e.g. SELECT of a database the server does
             # not have, or a server that wants a password none was given for. It will be
             # refused again: back off like a down node.
-            breaker.failed()
-            raise NodeUnavailable(f"{node}: the server refused the connection's set-up ({exc}); "
-                                  "check the address's database and the credentials") from exc
+            breaker.failed(refusal := f"the server refused the connection's set-up ({exc}); check the "
+                                      "address's database and the credentials")
+            raise NodeUnavailable(f"{node}: {refusal}", refused=True) from exc
         breaker.succeeded()
         moved = (self._redis.exceptions.MovedError, self._redis.exceptions.AskError)
         if any(isinstance(r, moved) for r in replies):

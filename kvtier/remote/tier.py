@@ -60,6 +60,19 @@ for i, k in ipairs(ARGV) do r[i] = redis.call('EXISTS', k) end
 return table.concat(r)
 """
 _EXISTS_SHA = hashlib.sha1(_EXISTS_LUA.encode()).hexdigest()
+# Delete KEYS[1] if it is an empty string (no record is): 1 if it was.
+_DROP_EMPTY_LUA = """
+if redis.call('TYPE', KEYS[1])['ok'] == 'string' and redis.call('STRLEN', KEYS[1]) == 0 then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+# Delete KEYS[1] if it is not a string (another program's value, never a record).
+_DROP_NON_STRING_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'string' and t ~= 'none' then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 # Delete KEYS[1] only if it still starts with the manifest ARGV[1] (not one rewritten since).
 _DELETE_IF_LUA = """
 if redis.call('GETRANGE', KEYS[1], 0, #ARGV[1] - 1) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -144,6 +157,17 @@ class RemoteRecord:
     manifest: bytes = b""  # the manifest value read: deletes check it is still the same
 
 
+class RemoteRefused(OSError):
+    """The server refuses this client (credentials, a database it lacks, an ACL): trying
+    again will not help (for a caller that would otherwise wait, the KV pipe)."""
+
+
+def is_refusal(reply: object) -> bool:
+    from redis.exceptions import AuthenticationError, NoPermissionError
+
+    return isinstance(reply, AuthenticationError | NoPermissionError)
+
+
 class DamagedRemoteRecord(RecordError):
     """:meth:`RemoteTier.fetch_checked`: the record is there but cannot be read (a damaged
     manifest, a value shorter or longer than its manifest says, or one that is not a kvtier
@@ -158,6 +182,9 @@ class _Read:
     record: RemoteRecord | None = None  # all of it, not yet verified
     manifest: bytes | None = None  # the manifest read, if one was
     damage: RecordError | None = None  # there, but not a whole, sound record
+    # how to remove it: "manifest" (only while it starts with ``manifest``), "not_string"
+    # (only while it is another type of value) or "done" (removed when found)
+    remove: str = "manifest"
     error: object = None  # an error reply (a slot moving, a loading server): may be whole later
 
 
@@ -310,7 +337,7 @@ class RemoteTier:
             for i, r in zip(idx, reads, strict=True):
                 out[i] = r.record
                 if r.damage is not None:
-                    self.discard_corrupt(keys[i], r.damage, r.manifest)
+                    self.discard_corrupt(keys[i], r)
                 # absent, or an error reply: a miss, nothing deleted
         return out
 
@@ -321,17 +348,21 @@ class RemoteTier:
         names = [chunk_name(k) for k in keys]
         reads = [_Read() for _ in keys]
         pb = self.part_bytes
-        limit = self._value_limit(node, client)
-        firsts = self.nodes.run(node, client, lambda p: [p.getrange(n, 0, pb - 1) for n in names])
+        # (no stored record is larger; a lower proto-max-bulk-len now limits new writes only)
+        limit = max(self._value_limit(node, client), MAX_VALUE_BYTES)
+        # EXISTS with each first piece: "" from GETRANGE is a missing key or an empty string
+        firsts = self.nodes.run(node, client, lambda p: [c for n in names for c in (p.exists(n), p.getrange(n, 0, pb - 1))])
         longer: list[tuple[_Read, str, bytes, bytes, int, int]] = []  # read, name, header, first, meta, total
-        empty: list[tuple[_Read, str]] = []  # "": absent, or an empty string (damage)
-        for r, name, value in zip(reads, names, firsts, strict=True):
+        empty: list[tuple[_Read, str]] = []  # there, but "": an empty string, or gone in between
+        for r, name, there, value in zip(reads, names, firsts[::2], firsts[1::2], strict=True):
             if _is_wrong_type(value):
                 r.damage = RecordError("the chunk's key holds a value that is not a kvtier record")
+                r.remove = "not_string"
             elif not isinstance(value, bytes):
                 r.error = value
             elif not value:
-                empty.append((r, name))
+                if there == 1:  # (0: absent, even if written since)
+                    empty.append((r, name))
             else:
                 try:
                     header, meta, payload_len = unpack_manifest(value)
@@ -347,25 +378,27 @@ class RemoteTier:
                     longer.append((r, name, header, value, meta, total))
         if not longer and not empty:
             return reads
-        # Second round trip: whether the empty ones exist; for each longer one its length,
-        # its other pieces, then its manifest again: a value rewritten meanwhile (another
-        # server's upload, a new write id) is a miss, not damage.
+        # Second round trip: for each empty one, whether it is an empty string now (one
+        # script: removed if so, as it can never become a record; else it was deleted or
+        # rewritten in between: a miss); for each longer one its length, its other pieces,
+        # then its manifest again: a value rewritten meanwhile (another server's upload, a
+        # new write id) is a miss, not damage.
         spans = [[(off, min(off + pb, total) - 1) for off in range(pb, total, pb)] for *_, total in longer]
         replies = self.nodes.run(node, client, lambda p: [
-            *(p.exists(name) for _, name in empty),
+            *(p.eval(_DROP_EMPTY_LUA, 1, name) for _, name in empty),
             *(cmd for (_, name, _, _, meta, _), sp in zip(longer, spans, strict=True)
               for cmd in (p.strlen(name), *(p.getrange(name, lo, hi) for lo, hi in sp),
                           p.getrange(name, 0, meta - 1)))])
-        for (r, _), there in zip(empty, replies, strict=False):
-            if there == 1:
-                r.damage = RecordError("the chunk's key holds an empty value")
+        for (r, _), dropped in zip(empty, replies, strict=False):
+            if dropped == 1:  # (an error reply, e.g. scripts refused: a miss)
+                r.damage, r.remove = RecordError("the chunk's key held an empty value (removed)"), "done"
         at = len(empty)
         for (r, _, header, first, meta, total), sp in zip(longer, spans, strict=True):
             size, got, again = replies[at], replies[at + 1 : at + 1 + len(sp)], replies[at + 1 + len(sp)]
             at += 2 + len(sp)
             odd = next((g for g in (size, *got, again) if isinstance(g, Exception)), None)
             if odd is not None and _is_wrong_type(odd):
-                r.damage = RecordError("the chunk's key changed type while read")
+                r.damage, r.remove = RecordError("the chunk's key changed type while read"), "not_string"
             elif odd is not None:
                 r.error = odd
             elif again != r.manifest:  # gone (evicted) or rewritten since its first piece: a miss
@@ -386,7 +419,8 @@ class RemoteTier:
                 limit = int(reply["proto-max-bulk-len"])  # type: ignore[index]
             except (TypeError, KeyError, ValueError):  # refused (an ACL, a managed service)
                 limit = MAX_VALUE_BYTES
-            self._limits[node] = limit
+            if not _is_transient(reply):  # (a loading or busy server: ask again next time)
+                self._limits[node] = limit
         return limit
 
     def fetch_checked(self, key: bytes) -> RemoteRecord | None:
@@ -405,30 +439,37 @@ class RemoteTier:
             (r,) = self._read(node, client, [key])
         except NodeUnavailable as exc:
             self._unavailable("a load", exc)
-            raise OSError(f"remote tier {self.address.describe()} unavailable ({exc})") from exc
+            kind = RemoteRefused if exc.refused else OSError
+            raise kind(f"remote tier {self.address.describe()} unavailable ({exc})") from exc
         if r.damage is not None:  # unreadable here, whichever version wrote it
             self.counters.add(remote_corrupt=1)
             raise DamagedRemoteRecord(f"remote record unreadable: {r.damage}") from r.damage
-        if r.error is not None:  # the record may be whole, later
-            raise OSError(f"remote tier {self.address.describe()}: {r.error}")
+        if r.error is not None:  # the record may be whole, later; unless the server refuses us
+            raise (RemoteRefused if is_refusal(r.error) else OSError)(
+                f"remote tier {self.address.describe()}: {r.error}")
         return r.record
 
-    def discard_corrupt(self, key: bytes, why: Exception, manifest: bytes | None) -> None:
+    def discard_corrupt(self, key: bytes, found: _Read) -> None:
         """A remote record proven damaged: count it and delete it (a miss from now on),
-        unless it was rewritten since ``manifest`` (the value's first bytes) was read (None:
-        the key held no string at all, and goes)."""
+        unless it was rewritten since it was read (see ``_Read.remove``)."""
         self.counters.add(remote_corrupt=1)
         self._warn("corrupt", "kvtier: corrupt remote record %s (%s); removed, will recompute",
-                   key.hex()[:16], why)
-        self.delete(key, expect=manifest)
+                   key.hex()[:16], found.damage)
+        if found.remove == "manifest" and found.manifest:
+            self.delete(key, expect=found.manifest)
+        elif found.remove == "not_string":
+            self.delete(key, unless_string=True)
 
-    def delete(self, key: bytes, *, expect: bytes | None = None) -> None:
+    def delete(self, key: bytes, *, expect: bytes | None = None, unless_string: bool = False) -> None:
         """Delete a chunk (its one key). With ``expect``, only if its value still starts with
-        those bytes (one script on the node): a copy another server stored meanwhile is kept."""
+        those bytes, with ``unless_string`` only if it is not a string (one script on the
+        node either way): a copy another server stored meanwhile is kept."""
         name = chunk_name(key)
         try:
             for node, client, _ in self.nodes.route([name]):
-                if expect is None:
+                if unless_string:
+                    self.nodes.run(node, client, lambda p: p.eval(_DROP_NON_STRING_LUA, 1, name))
+                elif expect is None:
                     self.nodes.run(node, client, lambda p: p.delete(name))
                 else:
                     self.nodes.run(node, client, lambda p: p.eval(_DELETE_IF_LUA, 1, name, expect))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import KVTierError
+from kvtier.keys import as_token_array
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,8 @@ class Prompt:
     def __post_init__(self) -> None:
         if (self.text is None) == (self.token_ids is None):
             raise ValueError("Prompt: give exactly one of text and token_ids")
-        if self.token_ids is not None:  # (a list is fine; kept as a tuple)
-            object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        if self.token_ids is not None:  # (a list is fine; kept as a tuple) checked as a save would
+            object.__setattr__(self, "token_ids", tuple(int(t) for t in as_token_array(self.token_ids)))
 
 
 @dataclass(frozen=True)

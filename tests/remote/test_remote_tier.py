@@ -552,3 +552,35 @@ def test_a_read_only_acl_user(tmp_path: Path, redis_server: LocalRedis, reads: s
             assert "refused a read" in caplog.text and "+getrange" in caplog.text
     finally:
         c.acl_deluser("reader")
+
+
+def test_a_chunk_written_while_a_load_misses_it_is_kept(redis_server: LocalRedis) -> None:
+    """GETRANGE reads a missing key as "": a load that missed, then found the key there in its
+    second round trip, called the new chunk an empty value, deleted it and counted it corrupt
+    (the KV pipe lost messages a consumer polled just before they were sent)."""
+    c = redis_server.client()
+    key = os.urandom(32)
+    counters = Counters()
+    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
+                      queue_bytes=1, counters=counters, writer=False)
+    writer = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
+                        queue_bytes=1, counters=Counters(), writer=False)
+    real_run = tier.nodes.run
+    calls = []
+
+    def run_then_write(node, client, build):  # noqa: ANN001, ANN202
+        out = real_run(node, client, build)
+        calls.append(1)
+        if len(calls) == 2:  # after the first round trip (the first call asks the value limit)
+            assert writer.store_many([(key, b"h", memoryview(os.urandom(300_000)))]) == 1
+        return out
+
+    try:
+        tier.nodes.run = run_then_write
+        assert tier.fetch(key) is None  # a miss: it was not there when looked at
+        tier.nodes.run = real_run
+        assert counters.snapshot()["remote_corrupt"] == 0 and c.exists(chunk_name(key))
+        assert tier.fetch(key) is not None
+    finally:
+        tier.close(0)
+        writer.close(0)
