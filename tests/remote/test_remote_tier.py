@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,32 @@ from kvtier.remote.tier import RemoteTier, chunk_name
 from kvtier.testing.redis_server import LocalRedis
 
 SEQ = tokens(1, 4 * CHUNK + 8)  # four chunks and a tail
+
+
+def _tier(url: str, counters: Counters | None = None, timeout_s: float = 1.0) -> RemoteTier:
+    """A remote tier without its uploader thread, in 64 KiB pieces."""
+    return RemoteTier(url=url, password=None, timeout_s=timeout_s, part_bytes=1 << 16, queue_bytes=1,
+                      counters=counters or Counters(), writer=False)
+
+
+@contextlib.contextmanager
+def _between_round_trips(tier: RemoteTier, action: Callable[[], None]) -> Iterator[None]:
+    """Run ``action`` between the two round trips of ``tier``'s next load (a new tier's first
+    call asks the node's largest value)."""
+    real, calls = tier.nodes.run, []
+
+    def run(node, client, build):  # noqa: ANN001, ANN202
+        out = real(node, client, build)
+        calls.append(1)
+        if len(calls) == 2:
+            action()
+        return out
+
+    tier.nodes.run = run
+    try:
+        yield
+    finally:
+        tier.nodes.run = real
 
 
 def test_a_second_server_hits_what_the_first_stored_and_promotes_it(tmp_path: Path, redis_server: LocalRedis) -> None:
@@ -129,8 +157,7 @@ def test_under_lru_eviction_a_chunk_is_evicted_whole(redis_server: LocalRedis) -
     c.config_set("maxmemory-policy", "allkeys-lru")
     c.config_set("maxmemory", str(c.info("memory")["used_memory"] + (8 << 20)))  # room for ~40
     counters = Counters()
-    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=2.0, part_bytes=1 << 16,
-                      queue_bytes=1, counters=counters, writer=False)
+    tier = _tier(redis_server.url, counters=counters, timeout_s=2.0)
     try:
         items = [(k, b"header", memoryview(v)) for k, v in payloads.items()]
         for i in range(0, len(items), 8):
@@ -236,8 +263,7 @@ def test_a_database_the_server_lacks_is_an_unavailable_server(redis_server: Loca
 
     caplog.set_level(logging.WARNING, logger="kvtier")
     counters = Counters()
-    tier = RemoteTier(url=redis_server.url + "/99", password=None, timeout_s=1.0, part_bytes=1 << 16,
-                      queue_bytes=1, counters=counters, writer=False)
+    tier = _tier(redis_server.url + "/99", counters=counters)
     try:
         key = os.urandom(32)
         assert tier.store_many([(key, b"header", memoryview(b"x"))]) == 0
@@ -409,8 +435,7 @@ def test_a_server_busy_with_a_long_script_is_a_miss_not_the_end_of_lookup_script
     c = redis_server.client()
     key = os.urandom(32)
     counters = Counters()
-    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=2.0, part_bytes=1 << 16,
-                      queue_bytes=1, counters=counters, writer=False)
+    tier = _tier(redis_server.url, counters=counters, timeout_s=2.0)
     c.config_set("busy-reply-threshold", 100)
     spin = "local t = redis.call('TIME'); local s = t[1] + 2\n" \
            "while tonumber(redis.call('TIME')[1]) < s do end\nreturn 1"
@@ -440,8 +465,7 @@ def test_a_record_over_the_servers_largest_value_is_dropped_not_sent(redis_serve
     c.config_set("proto-max-bulk-len", 1 << 20)  # the smallest it takes: 1 MiB
     small, big = os.urandom(32), os.urandom(32)
     counters = Counters()
-    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
-                      queue_bytes=1, counters=counters, writer=False)
+    tier = _tier(redis_server.url, counters=counters)
     try:
         assert tier.store_many([(small, b"h", memoryview(os.urandom(500_000))),
                                 (big, b"h", memoryview(os.urandom(2_000_000)))]) == 1
@@ -464,28 +488,18 @@ def test_a_chunk_rewritten_or_gone_between_a_loads_two_round_trips_is_a_miss_not
     c = redis_server.client()
     key = os.urandom(32)
     counters = Counters()
-    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
-                      queue_bytes=1, counters=counters, writer=False)
-    writer = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
-                        queue_bytes=1, counters=Counters(), writer=False)
+    tier = _tier(redis_server.url, counters=counters)
+    writer = _tier(redis_server.url)
     payload = memoryview(os.urandom(300_000))  # five pieces
-    real_run = tier.nodes.run
-    calls = []
-
-    def run_then_interfere(node, client, build):  # noqa: ANN001, ANN202
-        out = real_run(node, client, build)
-        calls.append(1)
-        if len(calls) == 2:  # after the first round trip (the first call asks the value limit)
-            c.delete(chunk_name(key))
-            if case == "rewritten":
-                assert writer.store_many([(key, b"h2", memoryview(os.urandom(250_000)))]) == 1
-        return out
+    def interfere() -> None:
+        c.delete(chunk_name(key))
+        if case == "rewritten":
+            assert writer.store_many([(key, b"h2", memoryview(os.urandom(250_000)))]) == 1
 
     try:
         assert writer.store_many([(key, b"h", payload)]) == 1
-        tier.nodes.run = run_then_interfere
-        assert tier.fetch(key) is None
-        tier.nodes.run = real_run
+        with _between_round_trips(tier, interfere):
+            assert tier.fetch(key) is None
         assert counters.snapshot()["remote_corrupt"] == 0
         assert c.exists(chunk_name(key)) == (case == "rewritten")  # the new copy is kept
         if case == "rewritten":
@@ -509,8 +523,7 @@ def test_a_foreign_value_that_cannot_be_a_chunk_is_damage(redis_server: LocalRed
     else:
         c.set(chunk_name(key), pack_manifest(b"h", 1 << 40, os.urandom(8)) + os.urandom(1 << 16))
     counters = Counters()
-    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
-                      queue_bytes=1, counters=counters, writer=False)
+    tier = _tier(redis_server.url, counters=counters)
     try:
         assert tier.count_present_prefix([key]) == 1  # (there, as far as a lookup can tell)
         assert tier.fetch(key) is None
@@ -561,24 +574,14 @@ def test_a_chunk_written_while_a_load_misses_it_is_kept(redis_server: LocalRedis
     c = redis_server.client()
     key = os.urandom(32)
     counters = Counters()
-    tier = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
-                      queue_bytes=1, counters=counters, writer=False)
-    writer = RemoteTier(url=redis_server.url, password=None, timeout_s=1.0, part_bytes=1 << 16,
-                        queue_bytes=1, counters=Counters(), writer=False)
-    real_run = tier.nodes.run
-    calls = []
-
-    def run_then_write(node, client, build):  # noqa: ANN001, ANN202
-        out = real_run(node, client, build)
-        calls.append(1)
-        if len(calls) == 2:  # after the first round trip (the first call asks the value limit)
-            assert writer.store_many([(key, b"h", memoryview(os.urandom(300_000)))]) == 1
-        return out
+    tier = _tier(redis_server.url, counters=counters)
+    writer = _tier(redis_server.url)
+    def write() -> None:
+        assert writer.store_many([(key, b"h", memoryview(os.urandom(300_000)))]) == 1
 
     try:
-        tier.nodes.run = run_then_write
-        assert tier.fetch(key) is None  # a miss: it was not there when looked at
-        tier.nodes.run = real_run
+        with _between_round_trips(tier, write):
+            assert tier.fetch(key) is None  # a miss: it was not there when looked at
         assert counters.snapshot()["remote_corrupt"] == 0 and c.exists(chunk_name(key))
         assert tier.fetch(key) is not None
     finally:
