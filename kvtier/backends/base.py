@@ -119,14 +119,17 @@ class Backend:
             room += self._retry_where_full(items, locations, errors)
             ok = [(it, loc) for it, loc, err in zip(items, locations, errors, strict=True) if err is None]
             failed = [(it, err) for it, err in zip(items, errors, strict=True) if err is not None]
-            # one nanosecond apart, in the order they were saved: within a batch too, the
-            # least recently saved goes first (one time for all left the order to the keys)
-            first = time.time_ns() - len(ok) + 1
-            new = [EntryInfo(it.key, it.size, first + i, it.namespace_id, occupied=self.payloads.occupied(it.size),
+            # In the order they were saved, a nanosecond apart: within a batch too, the least
+            # recently saved goes first (one time for all left the order to the keys). The
+            # chunks of one prompt share its first chunk's time (a chain is used as a whole).
+            first, stamps = time.time_ns() - len(ok) + 1, {}
+            for i, (it, _) in enumerate(ok):
+                stamps[it.key] = stamps.get(it.parent, first + i) if it.parent else first + i
+            new = [EntryInfo(it.key, it.size, stamps[it.key], it.namespace_id, occupied=self.payloads.occupied(it.size),
                              location=loc, group=it.group or it.key, parent=it.parent or NO_KEY,
                              token_start=it.token_start, num_tokens=it.num_tokens,
                              head=it.head or (it.key if it.parent is None else NO_KEY))
-                   for i, (it, loc) in enumerate(ok)]
+                   for it, loc in ok]
             try:
                 done = self.index.publish(new, int(self.config.disk_bytes), EVICT_LOW_WATERMARK,
                                           replacing={it.key for it, _ in ok if it.replace})

@@ -557,6 +557,9 @@ class StoreIndex:
                     # and visit it again there (the scan may have passed that place already).
                     moved = replace(e, atime_ns=newest)
                     self._restamp(txn, e, moved)
+                    if moved.lru_key < batch[-1]:  # its new place is among the rows read: read
+                        pos = lk + b"\0"  # on from here, in the new order (else rows newer
+                        break  # than it would be visited first, and evicted before it)
                     pos = min(pos, moved.lru_key)
                     continue
                 # Tail first: deepest chunks first (a chunk's extensions start later than it

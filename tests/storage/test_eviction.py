@@ -90,6 +90,32 @@ def test_within_one_commit_the_least_recently_saved_go_first(tmp_path: Path, bac
     assert kept == list(range(20 - len(kept), 20)), kept  # the newest, whatever their keys
 
 
+def test_eviction_visits_a_chunk_moved_up_by_its_relatives_before_newer_chunks(tmp_path: Path,
+                                                                               backend: str) -> None:
+    """A chain's head is as recent as its newest chunk, so the walk moves it up the order
+    and visits it again. It used to go on first through the rows it had already read, and
+    evict a newer prompt (here the hot one) before the older chains' heads (a vLLM test
+    lost two of a hot prompt's four chunks this way)."""
+    store = tmp_path / "s"
+    old = [tokens(3000 + i, 3 * CHUNK) for i in range(4)]
+    hot = tokens(4000, 3 * CHUNK)
+    with open_cache(store, backend) as cache:
+        for toks in [*old, hot]:
+            cache.save(toks, make_kv(toks))
+            assert cache.flush(10)
+        backend_ = cache.store.backend
+        t0 = time.time_ns() - 10**9
+        for i, toks in enumerate(old):  # each chunk of an old chain a little newer than its parent
+            for j, ref in enumerate(cache.chunks(toks)):
+                backend_.touch([ref.key], t0 + 10 * i + j)
+        backend_.touch([ref.key for ref in cache.chunks(hot)], t0 + 1000)
+        occupied = backend_.payloads.occupied(RECORD)
+        backend_.evict_lru(6 * occupied)  # room for two prompts: the hot one and the newest old one
+        assert cache.lookup(hot) == 3 * CHUNK
+        assert cache.lookup(old[3]) == 3 * CHUNK
+        assert [cache.lookup(toks) for toks in old[:3]] == [0, 0, 0]
+
+
 def test_a_lowered_budget_holds_without_waiting_for_a_save(tmp_path: Path, backend: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer opened with a lower disk_bytes evicts down to it at once (least recently
