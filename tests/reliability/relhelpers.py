@@ -19,6 +19,14 @@ LONG = os.environ.get("KVTIER_RELIABILITY", "") == "long"
 FIGURES: dict[str, dict[str, object]] = {}
 
 
+def fuzz_seed() -> int:
+    """A random seed for a fuzz or fault test, printed in its failures; KVTIER_SEED=N runs
+    that seed again."""
+    import time
+
+    return int(os.environ.get("KVTIER_SEED", time.time_ns() % 100_000))
+
+
 def scale(modest: int, long: int) -> int:
     """A count for this run: ``modest`` in the normal test run, ``long`` in a long run."""
     return long if LONG else modest

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from kvhelpers import REPO, Expected, Zygote, make_kv, open_cache, seq_tokens, verify_store  # noqa: I001
-from relhelpers import record, scale
+from relhelpers import fuzz_seed, record, scale
 
 CFG = {"disk_bytes": "3M", "commit_bytes": "128K", "host_bytes": "8M"}
 
@@ -24,7 +24,7 @@ CFG = {"disk_bytes": "3M", "commit_bytes": "128K", "host_bytes": "8M"}
 def test_library_writer_killed_at_random_instants(zygote: Zygote, tmp_path: Path, backend: str) -> None:
     store, log = tmp_path / "store", tmp_path / "writer.log"
     exp = Expected(log=log)
-    seed = time.time_ns() % 100_000
+    seed = fuzz_seed()
     rng = random.Random(seed)
     kills = scale(8, 150)
     checked = saved = 0
@@ -53,7 +53,7 @@ def test_cli_maintenance_killed_at_random_instants(tmp_path: Path, backend: str)
     store stays consistent and usable."""
     store = tmp_path / "store"
     exp = Expected(sequences=range(40))
-    seed = time.time_ns() % 100_000
+    seed = fuzz_seed()
     rng = random.Random(seed)
     rounds = scale(2, 20)
     kills = checked = 0

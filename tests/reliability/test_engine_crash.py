@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from kvhelpers import REPO  # noqa: I001
-from relhelpers import kvtier_cli, record, scale
+from relhelpers import fuzz_seed, kvtier_cli, record, scale
 
 from kvtier import CacheConfig, ChunkStore
 from kvtier.store import Outcome
@@ -75,7 +75,7 @@ def test_engine_killed_at_random_instants(tmp_path: Path, backend: str) -> None:
 
     model = make_tiny_llama(tmp_path / "tiny-llama", seed=0)
     store = tmp_path / "store"
-    seed = time.time_ns() % 100_000
+    seed = fuzz_seed()
     rng = random.Random(seed)
     kills = scale(2, 25)
     checked = 0

@@ -8,14 +8,13 @@ from __future__ import annotations
 import errno
 import os
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kvhelpers import CHUNK, make_kv, open_cache, same_bits, small_tmpfs, tokens  # noqa: I001
-from relhelpers import record, scale
+from relhelpers import fuzz_seed, record, scale
 
 from kvtier.backends import files as files_backend
 
@@ -45,7 +44,7 @@ class FaultyOS:
 
 
 def test_eio_at_the_syscall_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seed = time.time_ns() % 100_000
+    seed = fuzz_seed()
     rng = random.Random(seed)
     faulty = FaultyOS(0.0, rng)
     monkeypatch.setattr(files_backend, "os", faulty)
