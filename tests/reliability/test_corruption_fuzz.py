@@ -318,6 +318,7 @@ def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str) -> Non
     rounds = scale(12, 400)
     outcomes = {"served only correct KV": 0, "refused with an error": 0, "crashed": 0}
     errors: dict[str, int] = {}  # why stores were refused, with counts
+    crashes: list[str] = []  # what each crash said
     files = ["index/data.mdb"] + (["lmdb/data.mdb"] if backend == "lmdb" else [])
     for n in range(rounds):
         store = tmp_path / f"s{n}"
@@ -338,6 +339,7 @@ def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str) -> Non
             outcomes["served only correct KV"] += 1
         elif "no answer" in rep["error"] or "did not finish" in rep["error"]:
             outcomes["crashed"] += 1
+            crashes.append(f"round {n}: {target.relative_to(store)} page {page}: {rep['error'][-300:]}")
         else:
             outcomes["refused with an error"] += 1
             last = rep["error"].strip().splitlines()[-1]
@@ -351,7 +353,7 @@ def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str) -> Non
     record(f"fuzz/lmdb_pages/{backend}", mutations=rounds, wrong_kv_served=0, **outcomes,
            refused=dict(sorted(errors.items())))
     # the page check at open turns what crashed readers into StoreDamaged (3 of 800 before it)
-    assert outcomes["crashed"] == 0, f"seed {seed}: {outcomes}"
+    assert outcomes["crashed"] == 0, f"seed {seed}: {outcomes}; {crashes}"
 
 
 def _crash_record_row(store: Path, dbkey: bytes) -> None:
