@@ -141,11 +141,10 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
             raise ValueError(f"token ids must be integers, got {arr.dtype} values")
         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.floor(arr))):
             raise ValueError("token ids must be integers, got fractional values")  # (0.5 would key as 0)
-        if arr.dtype.kind == "O" and not all(isinstance(t, int | np.integer) and not isinstance(t, bool)
-                                              for t in arr):  # (Decimal("0.5") would key as 0)
-            raise ValueError("token ids must be integers, got "
-                             + next(type(t).__name__ for t in arr if not isinstance(t, int | np.integer)
-                                    or isinstance(t, bool)) + " values")
+        if arr.dtype.kind == "O":  # (Decimal("0.5") would key as 0)
+            odd = next((t for t in arr if not isinstance(t, int | np.integer) or isinstance(t, bool)), None)
+            if odd is not None:
+                raise ValueError(f"token ids must be integers, got {type(odd).__name__} values")
         try:  # in range before the cast, which would wrap what is not (ints beyond int64: object)
             if arr.min() < 0 or arr.max() >= 2**32:
                 raise ValueError("token ids must be in [0, 2**32)")

@@ -174,11 +174,7 @@ class KVPipe:
                 raise
             except OSError as exc:
                 self._waiting(exc)
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s "
-                                       f"(last error: {exc})") from exc
-            time.sleep(wait)
-            wait = min(wait * 2, _POLL_S[1])
+                wait = self._pause(wait, deadline, timeout, exc)
 
     def _take(self, key: bytes, seq: int | None, deadline: float | None, timeout: float | None) -> object:
         """Wait for message ``key`` (place ``seq`` in the order, if by order) and decode it:
@@ -203,11 +199,7 @@ class KVPipe:
                                 "one's place was taken; skipping it (its send failed)", self.name, seq,
                                 self.skip_after_s)
                     return _SKIPPED
-            if deadline is not None and time.monotonic() >= deadline:
-                why = f" (last error: {last_error})" if last_error is not None else ""
-                raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s{why}")
-            time.sleep(wait)
-            wait = min(wait * 2, _POLL_S[1])
+            wait = self._pause(wait, deadline, timeout, last_error)
         header, pieces = got
         if header == _SKIP:  # the producer failed to store this one: skip it
             log.warning("kvtier pipe %r: a message was marked skipped by its sender (its send failed)",
@@ -219,6 +211,16 @@ class KVPipe:
             return codec.decode_pieces(header, pieces, expect_key=key, max_record_bytes=self.max_tensor_bytes)[1]
         except (RecordError, RecordTooLarge) as exc:  # consumed, raised once: never a wedged FIFO
             return exc
+
+    def _pause(self, wait: float, deadline: float | None, timeout: float | None,
+               last_error: OSError | None) -> float:
+        """Sleep ``wait`` before polling again, or raise TimeoutError past the deadline;
+        the next wait (backing off)."""
+        if deadline is not None and time.monotonic() >= deadline:
+            why = f" (last error: {last_error})" if last_error is not None else ""
+            raise TimeoutError(f"kvtier pipe {self.name!r}: nothing to receive within {timeout} s{why}")
+        time.sleep(wait)
+        return min(wait * 2, _POLL_S[1])
 
     def _waiting(self, exc: OSError) -> None:
         """Say, at most every 30 s, that a receive waits for a store that cannot answer."""

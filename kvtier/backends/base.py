@@ -51,9 +51,6 @@ EVICT_LOW_WATERMARK = 0.9
 # Free space kept on the store's filesystem (beyond the batch being written): room for the
 # index's own commits, which a removal needs too.
 DISK_RESERVE = 1 << 20
-# The share of what an LMDB record file can hold on its disk that records may fill (see
-# Backend._make_room_on_disk)
-LMDB_FILL = 0.75
 
 __all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "most_recent", "EVICT_LOW_WATERMARK"]
 
@@ -145,18 +142,14 @@ class Backend:
         cannot even commit a removal without a few free pages.
 
         The records can occupy what they hold on the disk now plus its free space, less a
-        reserve. Where they live in an LMDB file, only part of that (``LMDB_FILL``): a record
-        needs a run of free pages, which a file filled to the brim rarely has, so it grows
-        the file instead, until the disk is full."""
-        records = getattr(self.payloads, "env", None)
-        in_lmdb = isinstance(records, EnvHandle)
+        reserve; where the payload store says so, only part of that (``disk_fill``: an LMDB
+        file)."""
         try:
             occupied = self.index.totals().occupied
-            held = records.file_bytes() if in_lmdb else occupied
-            capacity = shutil.disk_usage(self.root).free + held - DISK_RESERVE
+            capacity = shutil.disk_usage(self.root).free + self.payloads.held_on_disk(occupied) - DISK_RESERVE
         except (OSError, lmdb.Error):
             return []
-        short = occupied + need - int(capacity * (LMDB_FILL if in_lmdb else 1.0))
+        short = occupied + need - int(capacity * self.payloads.disk_fill)
         if short <= 0 or short > occupied:
             return []  # room enough, or the disk is full of other data: evicting would not help
         return self._evict_for_space(occupied - short)
@@ -371,14 +364,14 @@ def write_json_atomic(path: Path, data: dict[str, object], *, exclusive: bool = 
         os.fsync(f.fileno())
     if exclusive:
         try:
-            os.link(tmp, path)
-            os.unlink(tmp)
-            return
-        except FileExistsError:
-            os.unlink(tmp)
-            return
-        except OSError as exc:  # a file system without hard links: replace, as before
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            os.link(tmp, path)  # (FileExistsError: another's is there; it stays)
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.replace(tmp, path)  # a file system without hard links: replace, as before
+                return
+            if not isinstance(exc, FileExistsError):
                 os.unlink(tmp)
                 raise
+        os.unlink(tmp)
+        return
     os.replace(tmp, path)

@@ -68,6 +68,14 @@ class LmdbPayloads(PayloadStore):
     def _records(self) -> object:  # looked up on each use: a fork replaces the environment
         return self.env.dbs[b"records"]
 
+    # A record needs a run of free pages, which a file filled to the brim rarely has: it
+    # then grows the file instead, until the disk is full. So records fill only this share
+    # of what the file can hold on its disk (its size plus the free space).
+    disk_fill = 0.75
+
+    def held_on_disk(self, occupied: int) -> int:
+        return self.env.file_bytes()  # used and free pages: what the file holds
+
     def occupied(self, size: int) -> int:
         # a value over about half a page is stored in its own run of overflow pages
         if size > _PAGE // 2 - 64:

@@ -104,6 +104,15 @@ class PayloadStore(abc.ABC):
     def occupied(self, size: int) -> int:
         """Bytes a record of ``size`` bytes takes on disk (what the budget counts)."""
 
+    # The share of what the records could hold on their disk that they may fill (see
+    # Backend._make_room_on_disk): files take the free space as it is.
+    disk_fill = 1.0
+
+    def held_on_disk(self, occupied: int) -> int:
+        """Bytes the records hold on their file system now (``occupied``: what the index
+        counts them at)."""
+        return occupied
+
     def after_fork_in_child(self) -> None:  # noqa: B027 - optional hook
         """Runs in a forked child: replace locks and threads the parent owns."""
 

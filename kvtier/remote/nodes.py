@@ -69,6 +69,15 @@ def zero_copy_connection_classes() -> tuple[type, type]:
     return ZeroCopyConnection, ZeroCopySSLConnection
 
 
+def is_stale_route(reply: object) -> bool:
+    """An error reply that says this client's slot map is out of date: a key moved (MOVED,
+    ASK), or a script was sent keys a node no longer serves ("non local key")."""
+    from redis.exceptions import AskError, MovedError, ResponseError
+
+    return isinstance(reply, MovedError | AskError) or (
+        isinstance(reply, ResponseError) and "non local key" in str(reply))
+
+
 class NodeUnavailable(Exception):
     """The node is down, timed out, or skipped while its back-off runs. ``refused``: it
     answered but refused this client (credentials, a database it lacks): waiting for it
@@ -283,8 +292,7 @@ class RedisNodes:
                                       "address's database and the credentials")
             raise NodeUnavailable(f"{node}: {refusal}", refused=True) from exc
         breaker.succeeded()
-        moved = (self._redis.exceptions.MovedError, self._redis.exceptions.AskError)
-        if any(isinstance(r, moved) for r in replies):
+        if any(is_stale_route(r) for r in replies):
             self.refresh_later()  # this batch's keys there are misses; the next ones route right
         return replies
 

@@ -39,7 +39,7 @@ from kvtier.codec import MAX_HEADER_BYTES
 from kvtier.errors import RecordError
 from kvtier.metrics import Counters
 from kvtier.remote.address import parse_remote
-from kvtier.remote.nodes import Joined, NodeUnavailable, RedisNodes
+from kvtier.remote.nodes import Joined, NodeUnavailable, RedisNodes, is_stale_route
 
 log = logging.getLogger("kvtier")
 
@@ -80,19 +80,14 @@ return 0
 """
 
 
-def _transient_errors() -> tuple[type, ...]:
+def _is_transient(reply: object) -> bool:
+    """An error reply that may not recur: a slot moving (the node layer re-reads the slot
+    map), a loading server, or one busy with another client's long script (``BUSY``, which
+    redis-py gives no class of its own)."""
     from redis import exceptions as e
 
-    return (e.MovedError, e.AskError, e.TryAgainError, e.BusyLoadingError, e.ClusterDownError)
-
-
-def _is_transient(reply: object) -> bool:
-    """An error reply that may not recur: a slot moving, a loading server, or one busy with
-    another client's long script (``BUSY``, which redis-py gives no class of its own)."""
-    from redis.exceptions import ResponseError
-
-    return isinstance(reply, _transient_errors()) or (
-        isinstance(reply, ResponseError) and str(reply).startswith("BUSY"))
+    return is_stale_route(reply) or isinstance(reply, e.TryAgainError | e.BusyLoadingError | e.ClusterDownError) \
+        or (isinstance(reply, e.ResponseError) and str(reply).startswith("BUSY"))
 
 
 def _is_wrong_type(reply: object) -> bool:
@@ -266,7 +261,8 @@ class RemoteTier:
             return 0
 
     def discard(self, key: bytes, record: RemoteRecord) -> None:
-        """A fetched record that failed verification: delete it, unless rewritten since."""
+        """A fetched record that failed verification (the caller says so): count it and
+        delete it, unless rewritten since."""
         self.counters.add(remote_corrupt=1)
         self.delete(key, expect=record.manifest)
 
@@ -296,9 +292,6 @@ class RemoteTier:
             if isinstance(reply, bytes) and len(reply) == len(names):
                 return [c == 0x31 for c in reply]
             if _is_transient(reply):  # a slot moving, a busy server: misses now, scripts kept
-                return [False] * len(names)
-            if "non local key" in str(reply):  # a stale slot map (resharding): misses now
-                self.nodes.refresh_later()
                 return [False] * len(names)
             # scripts refused (disabled, an ACL, a server older than Redis 7): EXISTS from now on
             self._scripts = False
