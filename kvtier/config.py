@@ -32,7 +32,12 @@ def default_store_path() -> Path:
 
 @dataclass
 class CacheConfig:
-    """Settings of one store. Sizes accept ints (bytes) or strings such as ``"512M"``."""
+    """Settings of one store. Sizes accept ints (bytes) or strings such as ``"512M"``.
+
+    Read-only once built: a store keeps the config it was opened with and reads some
+    settings later, so a change made afterwards would apply partly or not at all. Make a
+    changed copy with :meth:`replaced`.
+    """
 
     path: Path = dataclasses.field(default_factory=default_store_path)
     # A new store's backend; an existing store keeps its own, which a config that does not
@@ -66,11 +71,33 @@ class CacheConfig:
         # writer records only those in a store shared with others (see ``chosen``).
         self = super().__new__(cls)
         names = [f.name for f in dataclasses.fields(cls)]
-        self._chosen = frozenset(names[:len(args)]) | frozenset(kwargs)
+        object.__setattr__(self, "_chosen", frozenset(names[:len(args)]) | frozenset(kwargs))
         return self
 
     def __post_init__(self) -> None:
         self.validate()
+        object.__setattr__(self, "_built", True)  # (pickles and copies carry it along)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_built"):
+            raise ConfigError(_read_only(name))
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_built"):
+            raise ConfigError(_read_only(name))
+        object.__delattr__(self, name)
+
+    def _normalize(self, name: str, value: object) -> None:
+        """Store a validated setting's canonical form (validation is the one writer)."""
+        object.__setattr__(self, name, value)
+
+    def _follow_store_backend(self, backend: str) -> None:
+        """Take the backend of the store at ``path`` if this config named none (a store
+        another process created after this config was made); a named one is kept."""
+        if "backend" not in self.chosen:
+            _choice("backend", backend, BACKENDS)
+            self._normalize("backend", backend)
 
     @property
     def chosen(self) -> frozenset[str]:
@@ -108,13 +135,13 @@ class CacheConfig:
         if isinstance(self.path, str):
             if not self.path.strip():
                 raise ConfigError("path: must name a directory, got an empty string")
-            self.path = Path(self.path)
+            self._normalize("path", Path(self.path))
         if not isinstance(self.path, Path):
             raise ConfigError(f"path: expected a directory path, got {self.path!r}")
         if "\0" in str(self.path):
             raise ConfigError(f"path: {str(self.path)!r} contains a NUL character")
         # absolute once: threads and pools open files under it later, after any os.chdir
-        self.path = self.path.expanduser().absolute()
+        self._normalize("path", self.path.expanduser().absolute())
         if self.path.is_symlink() and not self.path.exists():
             raise ConfigError(f"path: {self.path} is a symbolic link to nothing ({os.readlink(self.path)}); "
                               "create its target or choose another path")
@@ -125,7 +152,7 @@ class CacheConfig:
             raise ConfigError(f"path: {self.path} is under {above}, which is not a directory; "
                               "choose a directory for the store")
         if "backend" not in self.chosen:
-            self.backend = _store_backend(self.path) or self.backend
+            self._normalize("backend", _store_backend(self.path) or self.backend)
         _choice("backend", self.backend, BACKENDS)
         _choice("durability", self.durability, DURABILITY)
         _choice("compression", self.compression, COMPRESSION)
@@ -135,11 +162,11 @@ class CacheConfig:
             raise ConfigError(f"direct_reads: must be true or false, got {self.direct_reads!r}")
         if isinstance(self.compression_level, bool) or not isinstance(self.compression_level, int) or not 1 <= self.compression_level <= 22:
             raise ConfigError(f"compression_level: must be an integer from 1 to 22, got {self.compression_level!r}")
-        self.host_bytes = parse_size(self.host_bytes, "host_bytes")
-        self.disk_bytes = parse_size(self.disk_bytes, "disk_bytes")
-        self.write_queue_bytes = parse_size(self.write_queue_bytes, "write_queue_bytes")
-        self.commit_bytes = parse_size(self.commit_bytes, "commit_bytes")
-        self.max_record_bytes = parse_size(self.max_record_bytes, "max_record_bytes")
+        self._normalize("host_bytes", parse_size(self.host_bytes, "host_bytes"))
+        self._normalize("disk_bytes", parse_size(self.disk_bytes, "disk_bytes"))
+        self._normalize("write_queue_bytes", parse_size(self.write_queue_bytes, "write_queue_bytes"))
+        self._normalize("commit_bytes", parse_size(self.commit_bytes, "commit_bytes"))
+        self._normalize("max_record_bytes", parse_size(self.max_record_bytes, "max_record_bytes"))
         if self.disk_bytes == 0:
             raise ConfigError("disk_bytes: must be above 0; the persistent tier needs a byte budget (e.g. 64G)")
         if self.write_queue_bytes == 0:
@@ -155,8 +182,8 @@ class CacheConfig:
             raise ConfigError("max_record_bytes: must be at least 4K")
 
     def _validate_remote(self) -> None:
-        self.remote_part_bytes = parse_size(self.remote_part_bytes, "remote_part_bytes")
-        self.remote_queue_bytes = parse_size(self.remote_queue_bytes, "remote_queue_bytes")
+        self._normalize("remote_part_bytes", parse_size(self.remote_part_bytes, "remote_part_bytes"))
+        self._normalize("remote_queue_bytes", parse_size(self.remote_queue_bytes, "remote_queue_bytes"))
         if self.remote_password is not None and not isinstance(self.remote_password, str):
             raise ConfigError("remote_password: must be a string")
         if self.remote_tls_ca is not None and not Path(str(self.remote_tls_ca)).expanduser().is_file():
@@ -190,6 +217,18 @@ class CacheConfig:
         values["remote"] = redact(self.remote)
         shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
         return f"CacheConfig({shown})"
+
+
+def _read_only(name: str) -> str:
+    # (no value in the message: it could be the remote password)
+    known = [f.name for f in dataclasses.fields(CacheConfig)]
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        return (f"{name}: not a CacheConfig setting{f' (did you mean {close[0]!r}?)' if close else ''}, "
+                "and a CacheConfig cannot be changed once built")
+    return (f"{name}: a CacheConfig cannot be changed once built (a store may be using it already, "
+            f"and would apply the change partly or not at all); make a changed copy with "
+            f"config.replaced({name}=...), which keeps which settings were given, or build a new CacheConfig")
 
 
 def _store_backend(path: Path) -> str | None:

@@ -169,7 +169,7 @@ class ChunkStore:
         self._touched: dict[bytes, int] = {}
         self._cv = threading.Condition()
         self._closed = False
-        self._usage_at_close: tuple[int, int] = (0, 0)
+        self._usage_at_close: dict[str, int] = {}  # the disk part of stats(), read at close
         self._exit_flush_gave_up = False  # (see _flush_stores_at_exit)
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
         self._start_writer()
@@ -866,15 +866,26 @@ class ChunkStore:
 
     # -- lifecycle -------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
-        """Counters and usage; after :meth:`close`, the counters and the usage at close."""
-        records, nbytes = self._usage_at_close if self._closed else self.backend.usage()
+        """Counters, usage and the budgets it is measured against; after :meth:`close`, the
+        counters and the disk's usage and budget at close."""
+        disk = self._usage_at_close if self._closed else self._disk_usage()
         with self._cv:
             queued = self._queued_bytes
         return {
             **self.counters.snapshot(),
             "host_bytes": self.host.nbytes, "host_chunks": len(self.host),
-            "queued_bytes": queued, "disk_records": records, "disk_bytes": nbytes,
+            "host_budget_bytes": self.host.budget,
+            "queued_bytes": queued, "queue_budget_bytes": int(self.config.write_queue_bytes),
+            **disk,
         }
+
+    def _disk_usage(self) -> dict[str, int]:
+        """The persistent tier's usage, across every process, and the budget it is held to:
+        the store's recorded ``disk_bytes`` (every writer enforces that one), which may not
+        be this config's."""
+        t = self.backend.index.totals()
+        return {"disk_records": t.records, "disk_bytes": t.record_bytes,
+                "disk_occupied_bytes": t.occupied, "disk_budget_bytes": self.backend.budget()}
 
     @property
     def closed(self) -> bool:
@@ -896,9 +907,11 @@ class ChunkStore:
         if flush and not self.readonly:
             drained = self.flush(timeout)
         try:  # what stats() says from now on
-            self._usage_at_close = self.backend.usage()
-        except Exception as exc:  # (an index that broke meanwhile): stats say 0
+            self._usage_at_close = self._disk_usage()
+        except Exception as exc:  # (an index that broke meanwhile): usage 0, this config's budget
             log.debug("kvtier: usage at close unreadable: %s", exc)
+            self._usage_at_close = {"disk_records": 0, "disk_bytes": 0, "disk_occupied_bytes": 0,
+                                    "disk_budget_bytes": int(self.config.disk_bytes)}
         with self._cv:
             if self._queue:  # abandon what is still queued, counted as dropped
                 self.counters.add(dropped_saves=len(self._queue))

@@ -181,8 +181,8 @@ def open_backend(config: CacheConfig, *, readonly: bool = False, create: bool = 
         if create and not readonly and not (root / MARKER).exists():
             _create_marker(root, config.backend)
         info = read_marker(root)
-        if info["backend"] != config.backend and "backend" not in config.chosen:
-            config.backend = str(info["backend"])  # created since the config was made
+        if info["backend"] != config.backend:
+            config._follow_store_backend(str(info["backend"]))  # created since the config was made
         if info["backend"] != config.backend:
             raise StoreError(
                 f"{root}: store was created with backend {info['backend']!r}, config asks for "

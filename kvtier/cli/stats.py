@@ -11,6 +11,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.backends.index import budget_of
 from kvtier.cli._common import (
     add_command,
     add_json_arg,
@@ -58,9 +59,8 @@ def collect(store_path: str, budget: int | None) -> dict[str, Any]:
         namespaces = st.backend.namespaces()
         pages = lmdb_pages(st.backend)
         occupied = st.backend.occupied()
-        if budget is None:
-            stored = st.backend.settings().get("disk_bytes")
-            budget = stored if isinstance(stored, int) else None
+        if budget is None:  # the budget eviction enforces (none shown if none is recorded)
+            budget = budget_of(st.backend.settings(), None)
         root, marker = st.root, st.marker
     present = [e for e in entries if e.key in scan.headers or e.key in scan.bad]
     record_bytes = sum(e.size for e in present)

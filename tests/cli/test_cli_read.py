@@ -4,6 +4,7 @@ full); the human tables of the same commands in-process (same code, no ~2 s star
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,10 @@ def test_read_commands(backend: str, built_stores: dict[str, Built], tmp_path: P
     for label in ("records", "on disk", "payload", "filesystem", "files"):
         assert label in r.stdout
     assert "lmdb pages" in r.stdout
+    # without --budget: the disk_bytes its writer recorded (the default, 64G), as eviction reads it
+    assert re.search(r"budget\s+│ 64\.0 GiB \(\d+\.\d% used\)", r.stdout), r.stdout
+    r = run_main(capsys, "stats", b.path, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["budget"]["bytes"] == 64 << 30
     r = run_main(capsys, "inspect", b.path, key.hex()[:10])
     assert r.returncode == 0 and r.stderr == ""
     assert key.hex() in r.stdout and "ok (checksum verified)" in r.stdout

@@ -3,7 +3,10 @@ backend or of another on-disk layout are refused with a clear message and left u
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import pickle
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -122,6 +125,35 @@ def test_sizes_parse(tmp_path: Path) -> None:
     c = CacheConfig.from_dict({"path": str(tmp_path), "host_bytes": "512M", "disk_bytes": "2GB",
                                "write_queue_bytes": 4096})
     assert (c.host_bytes, c.disk_bytes, c.write_queue_bytes) == (512 << 20, 2 * 10**9, 4096)
+
+
+def test_a_built_config_refuses_changes_and_says_how_to_make_a_changed_copy(tmp_path: Path) -> None:
+    """Assigning to a config used to be accepted unchecked: ``disk_bytes = "abc"`` failed later
+    in arithmetic far from the mistake, and a store opened with the config applied a change
+    partly (settings it reads later, such as compression) or not at all (its budget, recorded
+    when it opened). A built config is read-only; the error names the setting and the way."""
+    cfg = config(tmp_path / "s", "files", disk_bytes="3M", remote_password="old-secret")
+    for name, value in [("disk_bytes", "abc"), ("chunk_tokens", 0), ("disk_bytes", "6M"),
+                        ("compression", "zstd"), ("path", tmp_path / "t"), ("remote_password", "new-secret")]:
+        with pytest.raises(ConfigError, match=rf"^{name}: a CacheConfig cannot be changed once built") as exc:
+            setattr(cfg, name, value)
+        assert f"config.replaced({name}=...)" in str(exc.value) and "secret" not in str(exc.value)
+    with pytest.raises(ConfigError, match="disk_bytes: a CacheConfig cannot be changed"):
+        del cfg.disk_bytes
+    with pytest.raises(ConfigError, match=r"^disk_byte: not a CacheConfig setting \(did you mean 'disk_bytes'\?\)"):
+        cfg.disk_byte = 1  # type: ignore[attr-defined]
+    assert (cfg.path, cfg.disk_bytes, cfg.chunk_tokens, cfg.compression) == (tmp_path / "s", 3 << 20, CHUNK, "none")
+    # the ways to a changed config; what they make is just as read-only
+    changed = cfg.replaced(disk_bytes="6M")
+    assert changed.disk_bytes == 6 << 20 and changed.chosen == cfg.chosen and cfg.disk_bytes == 3 << 20
+    assert dataclasses.replace(cfg, compression="zstd").compression == "zstd"
+    for other in (changed, dataclasses.replace(cfg), copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert other.disk_bytes in (3 << 20, 6 << 20)
+        with pytest.raises(ConfigError, match="host_bytes: a CacheConfig cannot be changed"):
+            other.host_bytes = 1
+    # nor can the config a store holds be changed under it
+    with ChunkStore(cfg) as store, pytest.raises(ConfigError, match="compression"):
+        store.config.compression = "zstd"
 
 
 def test_namespace_and_cache_mismatches_are_config_errors(tmp_path: Path) -> None:

@@ -371,6 +371,32 @@ def test_a_writer_opened_with_defaults_keeps_the_stores_settings(
     assert stored_config(fresh, backend).disk_bytes == 64 << 30
 
 
+def test_stats_report_each_budget_beside_its_usage(tmp_path: Path, backend: str) -> None:
+    """stats() gave usage only, so a user or a dashboard could not tell how full a store is.
+    Each budget is reported beside its usage: the host tier's and the write queue's from the
+    config; the disk's from the store (the one every writer evicts to, also for a process
+    opened without disk_bytes), with what it bounds (occupied bytes); after close too."""
+    store, toks = tmp_path / "s", tokens(6, 3 * CHUNK)
+    with open_cache(store, backend, disk_bytes="3M", host_bytes="2M", write_queue_bytes="1M") as cache:
+        cache.save(toks, make_kv(toks))
+        assert cache.flush(30)
+        st = cache.stats()
+        assert (st["host_budget_bytes"], st["queue_budget_bytes"], st["disk_budget_bytes"]) == (
+            2 << 20, 1 << 20, 3 << 20)
+        assert 0 < st["host_bytes"] <= st["host_budget_bytes"] and st["disk_records"] == 3
+        # the budget bounds whole blocks or pages, more than the record bytes
+        assert st["disk_occupied_bytes"] == cache.store.backend.occupied() > st["disk_bytes"] > 0
+    cache = open_cache(store, backend)  # disk_bytes not given: the store's 3M holds, not 64G
+    assert cache.store.config.disk_bytes == 64 << 30
+    before = cache.stats()
+    cache.close()
+    after = cache.stats()
+    disk = ("disk_records", "disk_bytes", "disk_occupied_bytes", "disk_budget_bytes")
+    assert [after[k] for k in disk] == [before[k] for k in disk] == [
+        3, st["disk_bytes"], st["disk_occupied_bytes"], 3 << 20]
+    assert (after["host_budget_bytes"], after["queue_budget_bytes"]) == (1 << 30, 256 << 20)
+
+
 def test_warmup_takes_chunk_tokens_from_the_models_own_servers(tmp_path: Path, backend: str) -> None:
     """The recorded chunk_tokens is the newest writer's, which may be a library user who
     opened the store with the default: warm-up follows the namespaces the model's servers
