@@ -6,15 +6,17 @@ process that reads it (the reliability harness saw it: 3 of 800 damaged-page pro
 vLLM worker that would be the server. So the first time a process opens an environment that
 already exists, a short-lived helper process walks it first: every named database, every
 key and value read in order, and every key searched again from the root (which exercises
-the branch pages a lookup uses). If the helper dies, hangs or LMDB reports damage, the
-environment is damaged and the caller refuses it (``StoreDamaged``) instead of crashing.
+the branch pages a lookup uses). Then it walks LMDB's free-page list, which only a writer
+reads and py-lmdb cannot open, by parsing its pages (:func:`check_free_list`). If the helper
+dies, hangs or finds damage, the environment is damaged and the caller refuses it
+(``StoreDamaged``) instead of crashing.
 
 This file is also the helper, run as a script in isolated mode (this directory, whose
 ``lmdb.py`` would shadow py-lmdb, stays off ``sys.path``). It imports only the standard
 library and ``lmdb``, so the check costs an interpreter start and the walk.
 
-Not covered: LMDB's free-page list (py-lmdb cannot read it; only a writer's commit does), and
-damage done while processes have the environment open.
+Not covered: a free-list entry that names a page still in use (well-formed, so only a walk
+of every tree's pages could tell), and damage done while processes have the environment open.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import errno
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -219,11 +222,16 @@ def _open_db(env: lmdb.Environment, txn: lmdb.Transaction, name: bytes) -> objec
 
 
 def walk(path: str) -> int:
-    """Read every page a reader can reach (in the helper process); the number of rows."""
+    """Read every page a reader can reach, then check the free list (in the helper process);
+    the number of rows."""
     env = lmdb.open(path, readonly=True, lock=True, max_dbs=64, subdir=True, readahead=False,
                     map_size=0)
     rows = 0
     try:
+        for _ in range(5):  # (other processes may be committing: catch a meta page of ours)
+            with env.begin() as txn:
+                if check_free_list(os.path.join(path, "data.mdb"), txn.id()) is not None:
+                    break
         with env.begin(buffers=True) as txn:
             names = [bytes(k) for k in txn.cursor().iternext(values=False)]
             for name in names:
@@ -245,6 +253,148 @@ def walk(path: str) -> int:
     finally:
         env.close()
     return rows
+
+
+# LMDB's on-disk layout (lmdb.h / mdb.c, 64-bit builds), as far as the free list needs it.
+_MAGIC = 0xBEEFC0DE
+_PAGE_HEAD = 16  # mp_pgno (u64), mp_pad, mp_flags, mp_lower, mp_upper (u16 each)
+_META = _PAGE_HEAD  # MDB_meta: magic, version (u32), address, mapsize (u64), dbs[2], last_pg, txnid
+_DB = struct.Struct("<IHHQQQQQ")  # MDB_db: pad (a meta's page size), flags, depth, 3 page counts, entries, root
+_NODE = struct.Struct("<HHHH")  # MDB_node: data size lo, hi (a branch: the child's page), flags, key size
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_P_TRANSIENT = 0x10 | 0x4000 | 0x8000  # P_DIRTY, P_LOOSE, P_KEEP: may be left set, mean nothing here
+_F_BIGDATA = 0x01  # a leaf's value lives in overflow pages
+_NO_ROOT = (1 << 64) - 1
+
+
+def check_free_list(data: str, txnid: int) -> int | None:
+    """Check LMDB's free-page list in ``data`` (a ``data.mdb``) the way a writer will read it,
+    as of transaction ``txnid``, which the caller holds open as a reader so that no writer
+    reuses its pages meanwhile; the number of free pages listed, or None if neither meta
+    page describes that transaction any more (two commits since: try again). Raises
+    ``lmdb.CorruptedError`` naming what is wrong.
+
+    Only a writer reads the free list (to reuse pages, and at each commit), and LMDB trusts
+    it: a damaged node offset or page count sends the writer past its map (the reliability
+    harness saw SIGBUS). py-lmdb cannot open this database, so its pages are parsed here:
+    every page's number, kind and bounds, every node inside its page, every record an ID
+    list whose count fits its size, sorted as LMDB writes it, naming pages the file has,
+    and the totals the meta page records. (Not checked: that no page is listed twice or is
+    still in use, which would take a walk of every tree's pages.)"""
+    if struct.calcsize("P") != 8:  # (a 32-bit build has another layout; nothing checked)
+        return 0
+    with open(data, "rb", buffering=0) as f:
+        fd = f.fileno()
+        head = os.pread(fd, _PAGE_HEAD + 160, 0)
+        if len(head) < _META + 40 or struct.unpack_from("<I", head, _META)[0] != _MAGIC:
+            return 0  # not a meta page LMDB would open: its own open says why
+        psize = _DB.unpack_from(head, _META + 24)[0]
+        if psize < 512 or psize & (psize - 1) or psize > 1 << 16:
+            raise lmdb.CorruptedError(f"free list: the meta page names a page size of {psize}")
+        meta = next((m for m in (os.pread(fd, _PAGE_HEAD + 160, n * psize) for n in (0, 1))
+                     if len(m) == _PAGE_HEAD + 160 and struct.unpack_from("<I", m, _META)[0] == _MAGIC
+                     and struct.unpack_from("<Q", m, _META + 128)[0] == txnid), None)
+        if meta is None:
+            return None
+        _, _, depth, *pages_and_entries, root = _DB.unpack_from(meta, _META + 24)
+        last_pg = struct.unpack_from("<Q", meta, _META + 120)[0]
+        return _FreeListWalk(fd, psize, last_pg, txnid).walk(root, depth, tuple(pages_and_entries))
+
+
+class _FreeListWalk:
+    """One walk of the free-list B-tree (see :func:`check_free_list`)."""
+
+    def __init__(self, fd: int, psize: int, last_pg: int, txnid: int) -> None:
+        self.fd, self.psize, self.last_pg, self.txnid = fd, psize, last_pg, txnid
+        self.seen: set[int] = set()  # pages of the tree itself
+        self.free = 0  # page numbers it lists
+        self.counts = [0, 0, 0, 0]  # branch, leaf and overflow pages, entries (as MDB_db)
+        self.last_key = 0
+
+    def bad(self, what: str) -> lmdb.CorruptedError:
+        return lmdb.CorruptedError(f"free list: {what}")
+
+    def page(self, pgno: int, pages: int = 1) -> bytes:
+        if pgno < 2 or pgno + pages - 1 > self.last_pg:
+            raise self.bad(f"page {pgno} (+{pages}) is outside the file's pages 2..{self.last_pg}")
+        if any(p in self.seen for p in range(pgno, pgno + pages)):
+            raise self.bad(f"page {pgno} is reached twice")
+        self.seen.update(range(pgno, pgno + pages))
+        buf = os.pread(self.fd, pages * self.psize, pgno * self.psize)
+        if len(buf) < pages * self.psize:
+            raise self.bad(f"page {pgno} (+{pages}) is past the file's end")
+        if struct.unpack_from("<Q", buf)[0] != pgno:
+            raise self.bad(f"page {pgno} says it is page {struct.unpack_from('<Q', buf)[0]}")
+        return buf
+
+    def walk(self, root: int, depth: int, want: tuple[int, ...]) -> int:
+        if root != _NO_ROOT:
+            if not 1 <= depth <= 32:
+                raise self.bad(f"a depth of {depth}")
+            self.tree(root, depth)
+        if tuple(self.counts) != want:
+            raise self.bad(f"(branch, leaf, overflow pages, entries) = {tuple(self.counts)}, the meta page "
+                           f"says {want}")
+        return self.free
+
+    def tree(self, pgno: int, depth: int) -> None:
+        buf = self.page(pgno)
+        _, _, flags, lower, upper = struct.unpack_from("<QHHHH", buf)
+        kind = flags & ~_P_TRANSIENT
+        if kind != (_P_LEAF if depth == 1 else _P_BRANCH):
+            raise self.bad(f"page {pgno} has flags {flags:#x} at depth {depth}")
+        if not _PAGE_HEAD <= lower <= upper <= self.psize or lower % 2 or lower == _PAGE_HEAD:
+            raise self.bad(f"page {pgno}: node table bounds {lower}..{upper}")
+        self.counts[0 if depth > 1 else 1] += 1
+        for ptr in struct.unpack_from(f"<{(lower - _PAGE_HEAD) // 2}H", buf, _PAGE_HEAD):
+            if not upper <= ptr <= self.psize - _NODE.size or ptr % 2:
+                raise self.bad(f"page {pgno}: a node at offset {ptr}, outside {upper}..{self.psize}")
+            lo, hi, nflags, ksize = _NODE.unpack_from(buf, ptr)
+            body = ptr + _NODE.size
+            if body + ksize > self.psize or (ksize != 8 and not (depth > 1 and ksize == 0)):
+                raise self.bad(f"page {pgno}: a key of {ksize} bytes (transaction ids have 8)")
+            if depth > 1:
+                self.tree(lo | hi << 16 | nflags << 32, depth - 1)
+            else:
+                self.record(pgno, buf, body, ksize, lo | hi << 16, nflags)
+
+    def record(self, pgno: int, buf: bytes, body: int, ksize: int, size: int, flags: int) -> None:
+        key = struct.unpack_from("<Q", buf, body)[0]
+        if not self.last_key < key <= self.txnid:
+            raise self.bad(f"page {pgno}: transaction {key} after {self.last_key} (the last is {self.txnid})")
+        self.last_key = key
+        self.counts[3] += 1
+        at = body + ksize
+        if flags & _F_BIGDATA:
+            if at + 8 > self.psize:
+                raise self.bad(f"page {pgno}: an overflow page number past the page's end")
+            first = struct.unpack_from("<Q", buf, at)[0]
+            head = os.pread(self.fd, _PAGE_HEAD, first * self.psize) if first <= self.last_pg else b""
+            kind, pages = struct.unpack_from("<HI", head, 10) if len(head) == _PAGE_HEAD else (0, 0)
+            if kind & ~_P_TRANSIENT != _P_OVERFLOW or pages * self.psize - _PAGE_HEAD < size:
+                raise self.bad(f"page {first}: no run of overflow pages holding {size} bytes")
+            self.counts[2] += pages
+            value, at = self.page(first, pages), _PAGE_HEAD
+        else:
+            value = buf
+            if at + size > self.psize:
+                raise self.bad(f"page {pgno}: a {size}-byte record past the page's end")
+        if size < 8 or size % 8:
+            raise self.bad(f"page {pgno}: a record of {size} bytes is no list of page numbers")
+        ids = memoryview(value)[at : at + size].cast("Q")[1:]
+        if struct.unpack_from("<Q", value, at)[0] != len(ids):
+            raise self.bad(f"page {pgno}: a record of {len(ids)} page numbers says it has "
+                           f"{struct.unpack_from('<Q', value, at)[0]}")
+        # LMDB writes each list sorted, descending (checked a slice at a time: lists can
+        # name millions of pages)
+        step = 1 << 20
+        for i in range(0, len(ids), step):
+            part = ids[i : i + step + 1].tolist()
+            if part != sorted(part, reverse=True):
+                raise self.bad(f"page {pgno}: free page numbers out of order")
+        if ids and not (ids[0] <= self.last_pg and ids[-1] >= 2):
+            raise self.bad(f"page {pgno}: free page numbers outside 2..{self.last_pg}")
+        self.free += len(ids)
 
 
 def _main(argv: list[str]) -> int:

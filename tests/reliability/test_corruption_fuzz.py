@@ -24,6 +24,7 @@ from kvhelpers import (  # noqa: I001
     KV_SHAPE,
     Zygote,
     craft,
+    free_list_pages,
     header_fields,
     make_kv,
     open_cache,
@@ -307,15 +308,17 @@ def test_damaged_marker_and_settings(tmp_path: Path) -> None:
     record("fuzz/marker_and_settings", mutations=tried, refused_clearly_or_ignored=tried)
 
 
+@pytest.mark.parametrize("where", ["any page", "free list"])
 @pytest.mark.parametrize("backend", ["lmdb", "files"])
-def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str) -> None:
+def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str, where: str) -> None:
     """Bytes flipped or pages zeroed in LMDB's files, probed in a separate process: loads
     serve only correct KV, or the store is refused with an error. LMDB does not checksum its
     pages, so a damaged page could crash the process that reads it; the page check at open
-    (``kvtier.backends.lmdb_check``) refuses such a store instead."""
+    (``kvtier.backends.lmdb_check``) refuses such a store instead. ``free list``: only pages
+    of LMDB's free-page list, which only writers read (the probe writes: loads touch LRU)."""
     seed = fuzz_seed()
     rng = random.Random(seed)
-    rounds = scale(12, 400)
+    rounds = scale(12, 400) if where == "any page" else scale(8, 200)
     outcomes = {"served only correct KV": 0, "refused with an error": 0, "crashed": 0}
     errors: dict[str, int] = {}  # why stores were refused, with counts
     crashes: list[str] = []  # what each crash said
@@ -325,7 +328,8 @@ def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str) -> Non
         _fill(store, backend)
         target = store / rng.choice(files)
         data = bytearray(target.read_bytes())
-        page = rng.randrange(2, max(3, len(data) // 4096))  # not the two meta pages
+        page = (rng.randrange(2, max(3, len(data) // 4096)) if where == "any page"  # not the two meta pages
+                else rng.choice(free_list_pages(data)))
         if rng.random() < 0.5:
             data[page * 4096 : (page + 1) * 4096] = bytes(4096)
         else:
@@ -347,12 +351,14 @@ def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str) -> Non
             codes = re.findall(r"MDB_[A-Z_]+", last)
             why = (f"the page check's helper {crash.group(1) or 'hung'}" if crash else
                    ", ".join(codes) if codes else "a key not found by a search" if "search" in last
-                   else last[-80:])
+                   else "a malformed free list" if "free list:" in last else last[-80:])
             why = f"{last.split(':', 1)[0].rsplit('.', 1)[-1]}: {why}"
             errors[why] = errors.get(why, 0) + 1
-    record(f"fuzz/lmdb_pages/{backend}", mutations=rounds, wrong_kv_served=0, **outcomes,
+    part = "lmdb_pages" if where == "any page" else "lmdb_free_list"
+    record(f"fuzz/{part}/{backend}", mutations=rounds, wrong_kv_served=0, **outcomes,
            refused=dict(sorted(errors.items())))
-    # the page check at open turns what crashed readers into StoreDamaged (3 of 800 before it)
+    # the page check at open turns what crashed readers (3 of 800 before it) and writers
+    # (damaged free lists: 1 of 60 before it walked them) into StoreDamaged
     assert outcomes["crashed"] == 0, f"seed {seed}: {outcomes}; {crashes}"
 
 
@@ -397,4 +403,33 @@ def test_lmdb_page_that_crashes_readers_is_refused(zygote: Zygote, tmp_path: Pat
     assert r.returncode == 1 and "Traceback" not in r.stderr, r
     assert r.stderr.startswith("kvtier: error:") and "damaged" in r.stderr and "delete it" in r.stderr, r
     record("fuzz/lmdb_pages/crafted_crash", reader_without_check="killed by a signal",
+           kvtier="refused (StoreDamaged)")
+
+
+def test_damaged_free_list_that_crashes_writers_is_refused(zygote: Zygote, tmp_path: Path) -> None:
+    """Regression (2 of 2,012 damaged-page probes crashed, with the page check passing): only
+    a writer reads LMDB's free-page list, so the reader's walk never met its damage, and LMDB
+    trusts it. The page check parses the free list too: a node offset sent past its page
+    kills a plain LMDB writer, and kvtier refuses the store instead."""
+    store = tmp_path / "s"
+    _fill(store, "files")
+    data = bytearray((store / "index" / "data.mdb").read_bytes())
+    struct.pack_into("<H", data, free_list_pages(data)[0] * 4096 + 16, 0xF000)  # the first node's offset
+    (store / "index" / "data.mdb").write_bytes(bytes(data))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "data.mdb").write_bytes(bytes(data))
+    # the damage is real: a plain LMDB writer dies at its first page allocation
+    write = ("import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=8); "
+             "txn = env.begin(write=True); txn.put(b'k', b'v' * 100); txn.commit()")
+    out = subprocess.run([sys.executable, "-c", write, str(plain)], capture_output=True)
+    assert out.returncode < 0, out  # killed by a signal
+    with pytest.raises(StoreDamaged, match="free list: page .* a node at offset 61440"):
+        open_cache(store, "files").close()
+    rep = zygote.request("call", timeout=60, fn="probe_store",
+                         kwargs={"path": str(store), "backend": "files", "sequences": SEQS})
+    assert "StoreDamaged" in rep.get("error", ""), rep
+    r = kvtier_cli("ls", str(store))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "free list" in r.stderr, r
+    record("fuzz/lmdb_free_list/crafted_crash", writer_without_check="killed by a signal",
            kvtier="refused (StoreDamaged)")

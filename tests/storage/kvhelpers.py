@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import selectors
+import struct
 import subprocess
 import sys
 import time
@@ -284,3 +285,23 @@ def skip_without_o_direct(where: Path) -> None:
         raise
     finally:
         probe.unlink()
+
+
+def free_list_pages(data: bytes | bytearray) -> list[int]:
+    """The pages of LMDB's free-list B-tree (branch, leaf and overflow), as of the meta page
+    with the later transaction. (64-bit layout: the meta's free-list ``MDB_db`` at byte 40
+    of page 0 or 1, its root at byte 80, the transaction id at byte 144.)"""
+    meta = max((data[n * 4096 : (n + 1) * 4096] for n in (0, 1)), key=lambda m: struct.unpack_from("<Q", m, 144)[0])
+    pages, todo = [], [struct.unpack_from("<Q", meta, 80)[0]]
+    while todo and todo[0] != (1 << 64) - 1:
+        pg = todo.pop()
+        pages.append(pg)
+        _, _, flags, lower, _ = struct.unpack_from("<QHHHH", data, pg * 4096)
+        for ptr in struct.unpack_from(f"<{(lower - 16) // 2}H", data, pg * 4096 + 16):
+            lo, hi, nflags, ksize = struct.unpack_from("<HHHH", data, pg * 4096 + ptr)
+            if flags & 0x01:  # a branch: the child's page number
+                todo.append(lo | hi << 16 | nflags << 32)
+            elif nflags & 0x01:  # a record in overflow pages
+                first = struct.unpack_from("<Q", data, pg * 4096 + ptr + 8 + ksize)[0]
+                pages.extend(range(first, first + struct.unpack_from("<I", data, first * 4096 + 12)[0]))
+    return pages

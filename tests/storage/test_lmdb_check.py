@@ -7,12 +7,15 @@ never stops a store from opening. Damaged pages that crash readers are in
 from __future__ import annotations
 
 import logging
+import random
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import lmdb
 import pytest
-from kvhelpers import make_kv, open_cache, same_bits, seq_tokens
+from kvhelpers import free_list_pages, make_kv, open_cache, same_bits, seq_tokens
 
 from kvtier import KVCache
 from kvtier.backends import lmdb_check
@@ -130,3 +133,107 @@ def test_an_address_space_limit_is_not_damage(tmp_path: Path) -> None:
     with open_cache(store, "lmdb", disk_bytes="64G") as cache:  # untouched: intact without the limit
         got = cache.load(toks)
         assert got.shape[2] == cache.lookup(toks) > 0 and same_bits(got, make_kv(toks[: got.shape[2]]))
+
+
+# -- LMDB's free-page list, which only writers read ------------------------------------------
+def _busy_env(path: Path, seed: int) -> None:
+    """An environment whose free list is a two-level tree with records in overflow pages: a
+    reader held open keeps every freed page listed while many commits rewrite and delete."""
+    rng = random.Random(seed)
+    env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30, sync=False)
+    db = env.open_db(b"a")
+    pinned = env.begin()
+    for step in range(300):
+        with env.begin(write=True) as txn:
+            for _ in range(20):
+                key = rng.randrange(2000).to_bytes(4, "big")
+                if rng.random() < 0.6:
+                    txn.put(key, bytes(rng.choice([10, 300, 5000])), db=db)
+                else:
+                    txn.delete(key, db=db)
+            if step % 100 == 99:  # one commit that frees hundreds of pages: a record in overflow pages
+                cur = txn.cursor(db=db)
+                while cur.first() and cur.delete():
+                    pass
+    pinned.abort()
+    env.close()
+
+
+def _free_list_meta(data: bytes) -> tuple[int, int]:
+    """(depth, overflow pages) of the free list, from the later meta page (see free_list_pages)."""
+    meta = max((data[n * 4096 : (n + 1) * 4096] for n in (0, 1)), key=lambda m: struct.unpack_from("<Q", m, 144)[0])
+    return struct.unpack_from("<H", meta, 46)[0], struct.unpack_from("<Q", meta, 64)[0]
+
+
+def test_a_large_free_list_reads_back_sound(tmp_path: Path) -> None:
+    """No false alarm on a healthy free list with branch pages and overflow records."""
+    _busy_env(tmp_path / "env", seed=1)
+    data = (tmp_path / "env" / "data.mdb").read_bytes()
+    assert _free_list_meta(data)[0] == 2 and _free_list_meta(data)[1] > 0  # the shapes this covers
+    with lmdb.open(str(tmp_path / "env"), readonly=True, max_dbs=4) as env, env.begin() as txn:
+        listed = lmdb_check.check_free_list(str(tmp_path / "env" / "data.mdb"), txn.id())
+    assert listed is not None and listed > 1000
+    assert damage_report(tmp_path / "env") is None
+
+
+def test_the_free_list_check_holds_while_another_process_commits(tmp_path: Path) -> None:
+    """The check parses pages outside py-lmdb, so it must read the free list of the snapshot
+    its reader holds: a writer committing all the while never makes it report damage."""
+    env_dir = tmp_path / "env"
+    lmdb.open(str(env_dir), max_dbs=4).close()
+    writer = ("import lmdb, os, random, sys, time\n"
+              "env = lmdb.open(sys.argv[1], max_dbs=4, map_size=1 << 30, sync=False)\n"
+              "db = env.open_db(b'a'); rng = random.Random(5); end = time.monotonic() + 4\n"
+              "while time.monotonic() < end:\n"
+              "    with env.begin(write=True) as txn:\n"
+              "        for _ in range(rng.randrange(1, 40)):\n"
+              "            k = rng.randrange(2000).to_bytes(4, 'big')\n"
+              "            txn.put(k, os.urandom(rng.choice([10, 5000])), db=db) if rng.random() < 0.6 else txn.delete(k, db=db)\n")
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(env_dir)])
+    checks = 0
+    try:
+        while proc.poll() is None:
+            lmdb_check.walk(str(env_dir))  # raises lmdb.CorruptedError on any finding
+            checks += 1
+    finally:
+        proc.wait(10)
+    assert proc.returncode == 0 and checks > 20, (proc.returncode, checks)
+
+
+def _damage_free_list(data: bytearray, how: str) -> None:
+    leaf = next(pg for pg in free_list_pages(data) if struct.unpack_from("<H", data, pg * 4096 + 10)[0] & 0x02)
+    at = leaf * 4096
+    ptr = struct.unpack_from("<H", data, at + 16)[0]  # the leaf's first record
+    lo, hi, flags, ksize = struct.unpack_from("<HHHH", data, at + ptr)
+    ids = at + ptr + 8 + ksize  # its page numbers: a count, then the numbers (descending)
+    if flags & 0x01:  # a record in overflow pages
+        ids = struct.unpack_from("<Q", data, ids)[0] * 4096 + 16
+    if how == "node offset":
+        struct.pack_into("<H", data, at + 16, 0xF000)
+    elif how == "page number":
+        struct.pack_into("<Q", data, at, leaf + 1)
+    elif how == "record count":
+        struct.pack_into("<Q", data, ids, struct.unpack_from("<Q", data, ids)[0] + 1000)
+    elif how == "free page number":
+        struct.pack_into("<Q", data, ids + 8, 1 << 40)
+    elif how == "page order":
+        assert struct.unpack_from("<Q", data, ids)[0] >= 2
+        struct.pack_into("<Q", data, ids + 8, 2)  # the first (largest) number made the smallest
+    else:  # "record length": the record's size in its node, beyond the page
+        struct.pack_into("<H", data, at + ptr, 0xFFF0)
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    ("node offset", "a node at offset 61440"), ("page number", "says it is page"),
+    ("record count", "page numbers says it has"), ("free page number", "free page numbers outside 2.."),
+    ("page order", "free page numbers out of order"),
+    ("record length", "record past the page's end")])
+def test_each_kind_of_free_list_damage_is_named(tmp_path: Path, how: str, says: str) -> None:
+    """What a writer would trust blindly is found and named, and the store is refused."""
+    store = _filled(tmp_path / "s", "files")
+    data = bytearray((store / "index" / "data.mdb").read_bytes())
+    _damage_free_list(data, how)
+    (store / "index" / "data.mdb").write_bytes(bytes(data))
+    assert says in (damage_report(store / "index") or ""), damage_report(store / "index")
+    with pytest.raises(StoreDamaged, match="free list"):
+        open_cache(store, "files").close()
