@@ -172,11 +172,14 @@ def budget_run(work: Path, budget: int, batch: int, prompts: int) -> dict[str, A
             if index is not None:
                 published[0] = max(published[0], index.totals().occupied)
             files = 0
-            for f in (store / "files").rglob("*.kvt"):
-                try:
-                    files += f.stat().st_size
-                except FileNotFoundError:  # evicted meanwhile
-                    continue
+            # (os.walk passes over a directory removed meanwhile; rglob raised)
+            for root, _, names in os.walk(store / "files"):
+                for name in names:
+                    if name.endswith(".kvt"):
+                        try:
+                            files += os.stat(os.path.join(root, name)).st_size
+                        except FileNotFoundError:  # evicted meanwhile
+                            continue
             on_disk[0] = max(on_disk[0], files)
             time.sleep(0.005)
         if index is not None:

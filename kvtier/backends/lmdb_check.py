@@ -2,21 +2,25 @@
 
 LMDB does not checksum its pages. A damaged page usually makes an operation fail with
 ``MDB_CORRUPTED``, but it can also send LMDB's C code through a bad pointer and kill the
-process that reads it (the reliability harness saw it: 3 of 800 damaged-page probes). For a
-vLLM worker that would be the server. So the first time a process opens an environment that
-already exists, a short-lived helper process walks it first: every named database, every
-key and value read in order, and every key searched again from the root (which exercises
-the branch pages a lookup uses). Then it walks LMDB's free-page list, which only a writer
-reads and py-lmdb cannot open, by parsing its pages (:func:`check_free_list`). If the helper
-dies, hangs or finds damage, the environment is damaged and the caller refuses it
-(``StoreDamaged``) instead of crashing.
+process that uses it (the reliability harness saw readers and writers die). For a vLLM
+worker that would be the server. So the first time a process opens an environment that
+already exists, a short-lived helper process walks it first, twice:
+
+- through py-lmdb, as a reader: every named database, every key and value read in order,
+  and every key searched again from the root (the branch pages a lookup uses);
+- by parsing the pages itself (:func:`check_structure`), for what a writer trusts and a
+  reader never looks at: the layout of every page's nodes, the free-page list (which
+  py-lmdb cannot open), overflow runs, the inline pages of sorted duplicates, the totals
+  the meta page records, and that no page is both free and in use.
+
+If the helper dies, hangs or finds damage, the environment is damaged and the caller
+refuses it (``StoreDamaged``) instead of crashing.
 
 This file is also the helper, run as a script in isolated mode (this directory, whose
 ``lmdb.py`` would shadow py-lmdb, stays off ``sys.path``). It imports only the standard
-library and ``lmdb``, so the check costs an interpreter start and the walk.
+library, ``lmdb`` and ``numpy``, so the check costs an interpreter start and the walks.
 
-Not covered: a free-list entry that names a page still in use (well-formed, so only a walk
-of every tree's pages could tell), and damage done while processes have the environment open.
+Not covered: damage done while processes have the environment open.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import threading
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 log = logging.getLogger("kvtier")
 # Exit status of the helper when LMDB itself reported the damage (its message on stderr).
@@ -201,10 +206,12 @@ def damage_report(path: Path, *, preread: bool = False) -> str | None:
 
 def _helper_command(path: Path, preread: bool) -> list[str]:
     # isolated (-I: no environment variables, no current directory on sys.path), with the
-    # directory this process imported py-lmdb from, so the helper finds the same one
-    boot = "import sys, runpy; sys.path.insert(0, sys.argv[1]); runpy.run_path(sys.argv[2], run_name='__main__')"
-    return [sys.executable, "-I", "-c", boot, str(Path(lmdb.__file__).resolve().parent.parent),
-            str(Path(__file__).resolve()), *(["--preread"] if preread else []), str(path)]
+    # directories this process imported py-lmdb and numpy from, so the helper finds the same
+    where = dict.fromkeys(str(Path(m.__file__).resolve().parent.parent) for m in (lmdb, np))  # type: ignore[arg-type]
+    boot = ("import os, sys, runpy; sys.path[:0] = sys.argv[1].split(os.pathsep); "
+            "runpy.run_path(sys.argv[2], run_name='__main__')")
+    return [sys.executable, "-I", "-c", boot, os.pathsep.join(where), str(Path(__file__).resolve()),
+            *(["--preread"] if preread else []), str(path)]
 
 
 def _preread(data: str) -> None:
@@ -230,7 +237,7 @@ def walk(path: str) -> int:
     try:
         for _ in range(5):  # (other processes may be committing: catch a meta page of ours)
             with env.begin() as txn:
-                if check_free_list(os.path.join(path, "data.mdb"), txn.id()) is not None:
+                if check_structure(os.path.join(path, "data.mdb"), txn.id()) is not None:
                     break
         with env.begin(buffers=True) as txn:
             names = [bytes(k) for k in txn.cursor().iternext(values=False)]
@@ -255,32 +262,40 @@ def walk(path: str) -> int:
     return rows
 
 
-# LMDB's on-disk layout (lmdb.h / mdb.c, 64-bit builds), as far as the free list needs it.
+# LMDB's on-disk layout (lmdb.h / mdb.c, 64-bit builds), as far as the page structure needs it.
 _MAGIC = 0xBEEFC0DE
 _PAGE_HEAD = 16  # mp_pgno (u64), mp_pad, mp_flags, mp_lower, mp_upper (u16 each)
 _META = _PAGE_HEAD  # MDB_meta: magic, version (u32), address, mapsize (u64), dbs[2], last_pg, txnid
 _DB = struct.Struct("<IHHQQQQQ")  # MDB_db: pad (a meta's page size), flags, depth, 3 page counts, entries, root
 _NODE = struct.Struct("<HHHH")  # MDB_node: data size lo, hi (a branch: the child's page), flags, key size
-_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
-_P_TRANSIENT = 0x10 | 0x4000 | 0x8000  # P_DIRTY, P_LOOSE, P_KEEP: may be left set, mean nothing here
-_F_BIGDATA = 0x01  # a leaf's value lives in overflow pages
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_LEAF2, _P_SUBP = 0x01, 0x02, 0x04, 0x20, 0x40
+_P_DIRTY = 0x10  # never on a committed page (cleared before every write), but kept on inline pages
+_F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04  # a leaf node's value: overflow pages, a tree, dups
+_MDB_DUPSORT = 0x04
+_MDB_NOT_FREE_LIST = 0x02 | 0x04 | 0x10 | 0x20 | 0x40  # flags the free list never has (REVERSEKEY, DUP*)
+_MAX_KEY = 511  # MDB_MAXKEYSIZE
 _NO_ROOT = (1 << 64) - 1
 
 
-def check_free_list(data: str, txnid: int) -> int | None:
-    """Check LMDB's free-page list in ``data`` (a ``data.mdb``) the way a writer will read it,
-    as of transaction ``txnid``, which the caller holds open as a reader so that no writer
-    reuses its pages meanwhile; the number of free pages listed, or None if neither meta
-    page describes that transaction any more (two commits since: try again). Raises
-    ``lmdb.CorruptedError`` naming what is wrong.
+def check_structure(data: str, txnid: int) -> int | None:
+    """Check the structure of every page of the LMDB environment ``data`` (a ``data.mdb``)
+    that a writer will use, as of transaction ``txnid``, which the caller holds open as a
+    reader so that no writer reuses those pages meanwhile; the number of free pages listed,
+    or None if neither meta page describes that transaction any more (two commits since:
+    try again). Raises ``lmdb.CorruptedError`` naming what is wrong.
 
-    Only a writer reads the free list (to reuse pages, and at each commit), and LMDB trusts
-    it: a damaged node offset or page count sends the writer past its map (the reliability
-    harness saw SIGBUS). py-lmdb cannot open this database, so its pages are parsed here:
-    every page's number, kind and bounds, every node inside its page, every record an ID
-    list whose count fits its size, sorted as LMDB writes it, naming pages the file has,
-    and the totals the meta page records. (Not checked: that no page is listed twice or is
-    still in use, which would take a walk of every tree's pages.)"""
+    Reading a damaged page can pass where writing it crashes: LMDB trusts a page's layout
+    when it copies, inserts into or deletes from it, and a writer also reads the free-page
+    list, which no reader (and not py-lmdb) opens. The reliability harness saw both: SIGBUS
+    from a free-list node offset sent past its page, and heap corruption ("free(): invalid
+    size") from a node whose key size overlapped its neighbours. So every tree is walked
+    from the meta page here: every page's number, kind and bounds; its nodes must lie
+    exactly end to end from ``mp_upper`` to the page's end, as LMDB keeps them; overflow
+    runs, sub-databases and the inline pages of sorted duplicates likewise; free-list
+    records must be lists of page numbers whose count fits their size, sorted as LMDB writes
+    them and within the file; and the page and entry totals of the free list and of each
+    database without duplicates must match the meta page and the database's record. (Not
+    checked: that a free page is not also in use, which would take a map of every page.)"""
     if struct.calcsize("P") != 8:  # (a 32-bit build has another layout; nothing checked)
         return 0
     with open(data, "rb", buffering=0) as f:
@@ -290,111 +305,251 @@ def check_free_list(data: str, txnid: int) -> int | None:
             return 0  # not a meta page LMDB would open: its own open says why
         psize = _DB.unpack_from(head, _META + 24)[0]
         if psize < 512 or psize & (psize - 1) or psize > 1 << 16:
-            raise lmdb.CorruptedError(f"free list: the meta page names a page size of {psize}")
-        meta = next((m for m in (os.pread(fd, _PAGE_HEAD + 160, n * psize) for n in (0, 1))
-                     if len(m) == _PAGE_HEAD + 160 and struct.unpack_from("<I", m, _META)[0] == _MAGIC
-                     and struct.unpack_from("<Q", m, _META + 128)[0] == txnid), None)
-        if meta is None:
+            raise lmdb.CorruptedError(f"page structure: the meta page names a page size of {psize}")
+        metas = [os.pread(fd, _PAGE_HEAD + 160, n * psize) for n in (0, 1)]
+        slot = next((n for n in (0, 1) if _meta_txnid(metas[n]) == txnid), None)
+        if slot is None:
             return None
-        _, _, depth, *pages_and_entries, root = _DB.unpack_from(meta, _META + 24)
-        last_pg = struct.unpack_from("<Q", meta, _META + 120)[0]
-        return _FreeListWalk(fd, psize, last_pg, txnid).walk(root, depth, tuple(pages_and_entries))
+        meta = metas[slot]
+        if struct.unpack_from("<I", meta, _META + 4)[0] != 1:  # (LMDB 1.0's format: another layout)
+            return 0
+        try:
+            walk = _PageWalk(fd, psize, struct.unpack_from("<Q", meta, _META + 120)[0], txnid)
+            free_list = _DB.unpack_from(meta, _META + 24)
+            if free_list[1] & _MDB_NOT_FREE_LIST:
+                raise walk.bad(f"the free list: database flags {free_list[1]:#x}")
+            walk.database("the free list", free_list, free_list=True)
+            walk.database("the main database", _DB.unpack_from(meta, _META + 72))
+            walk.free_and_used()
+        except lmdb.CorruptedError:
+            # a commit rewriting this slot for a later transaction can be read half done
+            # (the transaction id is written last): damage only if the slot reads the same
+            if os.pread(fd, _PAGE_HEAD + 160, slot * psize) != meta:
+                return None
+            raise
+        return walk.free
 
 
-class _FreeListWalk:
-    """One walk of the free-list B-tree (see :func:`check_free_list`)."""
+def _meta_txnid(meta: bytes) -> int | None:
+    """The transaction a meta page describes, or None if it is not one."""
+    if len(meta) < _PAGE_HEAD + 160 or struct.unpack_from("<I", meta, _META)[0] != _MAGIC:
+        return None
+    return struct.unpack_from("<Q", meta, _META + 128)[0]
+
+
+class _PageWalk:
+    """One walk of an environment's trees (see :func:`check_structure`), a level of a tree
+    at a time: the pages of a level are read together and checked as arrays (numpy), so a
+    million-row index costs a few array operations per 1,024 pages, not Python per row."""
+
+    _BATCH = 1024  # pages read and checked together
 
     def __init__(self, fd: int, psize: int, last_pg: int, txnid: int) -> None:
         self.fd, self.psize, self.last_pg, self.txnid = fd, psize, last_pg, txnid
-        self.seen: set[int] = set()  # pages of the tree itself
-        self.free = 0  # page numbers it lists
-        self.counts = [0, 0, 0, 0]  # branch, leaf and overflow pages, entries (as MDB_db)
+        self.seen = np.zeros(last_pg + 1, dtype=bool)  # pages of the trees (overflow runs included)
+        self.free_map = np.zeros(last_pg + 1, dtype=bool)  # pages the free list names
+        self.free = 0  # page numbers the free list names
         self.last_key = 0
 
     def bad(self, what: str) -> lmdb.CorruptedError:
-        return lmdb.CorruptedError(f"free list: {what}")
+        return lmdb.CorruptedError(f"page structure: {what}")
 
-    def page(self, pgno: int, pages: int = 1) -> bytes:
-        if pgno < 2 or pgno + pages - 1 > self.last_pg:
-            raise self.bad(f"page {pgno} (+{pages}) is outside the file's pages 2..{self.last_pg}")
-        if any(p in self.seen for p in range(pgno, pgno + pages)):
-            raise self.bad(f"page {pgno} is reached twice")
-        self.seen.update(range(pgno, pgno + pages))
-        buf = os.pread(self.fd, pages * self.psize, pgno * self.psize)
-        if len(buf) < pages * self.psize:
-            raise self.bad(f"page {pgno} (+{pages}) is past the file's end")
-        if struct.unpack_from("<Q", buf)[0] != pgno:
-            raise self.bad(f"page {pgno} says it is page {struct.unpack_from('<Q', buf)[0]}")
-        return buf
+    def pages(self, name: str, pgnos: np.ndarray) -> np.ndarray:
+        """Tree pages ``pgnos`` of database ``name`` (a row of bytes each): inside the file,
+        each reached once, and numbered as where they lie."""
+        outside = (pgnos < 2) | (pgnos > self.last_pg)
+        if outside.any():
+            raise self.bad(f"{name}: page {pgnos[outside][0]} is outside the file's pages 2..{self.last_pg}")
+        if self.seen[pgnos].any() or len(np.unique(pgnos)) < len(pgnos):
+            twice = next(int(p) for i, p in enumerate(pgnos) if self.seen[p] or p in pgnos[:i])
+            raise self.bad(f"{name}: page {twice} is reached twice")
+        self.seen[pgnos] = True
+        raw = b"".join(os.pread(self.fd, self.psize, int(p) * self.psize) for p in pgnos)
+        if len(raw) < len(pgnos) * self.psize:
+            raise self.bad(f"{name}: a page among {pgnos.tolist()[:8]}... is past the file's end")
+        rows = np.frombuffer(raw, dtype=np.uint8).reshape(len(pgnos), self.psize)
+        said = rows[:, :8].copy().view("<u8")[:, 0]
+        if (said != pgnos).any():
+            i = int(np.argmax(said != pgnos))
+            raise self.bad(f"{name}: page {pgnos[i]} says it is page {said[i]}")
+        return rows
 
-    def walk(self, root: int, depth: int, want: tuple[int, ...]) -> int:
+    def database(self, name: str, db: tuple[int, ...], *, free_list: bool = False, dups: bool = False) -> None:
+        """Walk one tree from its ``MDB_db`` record ``db`` a level at a time; ``dups``: a
+        sub-database of sorted duplicates (keys only)."""
+        _, flags, depth, *want, root = db
+        counts = [0, 0, 0, 0]  # branch, leaf and overflow pages, entries (as MDB_db)
+        if free_list:
+            self.last_key = 0  # (its keys: transaction ids, ascending)
         if root != _NO_ROOT:
             if not 1 <= depth <= 32:
-                raise self.bad(f"a depth of {depth}")
-            self.tree(root, depth)
-        if tuple(self.counts) != want:
-            raise self.bad(f"(branch, leaf, overflow pages, entries) = {tuple(self.counts)}, the meta page "
-                           f"says {want}")
-        return self.free
+                raise self.bad(f"{name}: a depth of {depth}")
+            level = np.array([root], dtype=np.int64)
+            for d in range(depth, 0, -1):
+                below = []
+                for at in range(0, len(level), self._BATCH):
+                    below.extend(self.level(name, level[at : at + self._BATCH], d == 1, counts, free_list, dups))
+                level = np.concatenate(below) if below else np.zeros(0, dtype=np.int64)
+        # (a database of duplicates counts its sub-databases' pages and entries in ways
+        # mdb.c does not keep exact in every path: its totals are left alone)
+        if not flags & _MDB_DUPSORT and not dups and counts != want:
+            raise self.bad(f"{name}: (branch, leaf, overflow pages, entries) = {tuple(counts)}, its "
+                           f"record says {tuple(want)}")
 
-    def tree(self, pgno: int, depth: int) -> None:
-        buf = self.page(pgno)
-        _, _, flags, lower, upper = struct.unpack_from("<QHHHH", buf)
-        kind = flags & ~_P_TRANSIENT
-        if kind != (_P_LEAF if depth == 1 else _P_BRANCH):
-            raise self.bad(f"page {pgno} has flags {flags:#x} at depth {depth}")
-        if not _PAGE_HEAD <= lower <= upper <= self.psize or lower % 2 or lower == _PAGE_HEAD:
-            raise self.bad(f"page {pgno}: node table bounds {lower}..{upper}")
-        self.counts[0 if depth > 1 else 1] += 1
-        for ptr in struct.unpack_from(f"<{(lower - _PAGE_HEAD) // 2}H", buf, _PAGE_HEAD):
-            if not upper <= ptr <= self.psize - _NODE.size or ptr % 2:
-                raise self.bad(f"page {pgno}: a node at offset {ptr}, outside {upper}..{self.psize}")
-            lo, hi, nflags, ksize = _NODE.unpack_from(buf, ptr)
-            body = ptr + _NODE.size
-            if body + ksize > self.psize or (ksize != 8 and not (depth > 1 and ksize == 0)):
-                raise self.bad(f"page {pgno}: a key of {ksize} bytes (transaction ids have 8)")
-            if depth > 1:
-                self.tree(lo | hi << 16 | nflags << 32, depth - 1)
-            else:
-                self.record(pgno, buf, body, ksize, lo | hi << 16, nflags)
+    def level(self, name: str, pgnos: np.ndarray, leaf: bool, counts: list[int], free_list: bool,
+              dups: bool) -> list[np.ndarray]:
+        """Check pages ``pgnos`` of one level; the next level's page numbers, in key order."""
+        rows = self.pages(name, pgnos)
+        kind = rows[:, 10:12].copy().view("<u2")[:, 0]
+        if leaf and dups:  # duplicates of a fixed size: no nodes, keys packed (bounds only)
+            fixed = kind == _P_LEAF | _P_LEAF2
+            self.nodes(name, pgnos[fixed], rows[fixed], self.psize, leaf=True, fixed=True)
+            pgnos, rows, kind, counts[1] = pgnos[~fixed], rows[~fixed], kind[~fixed], counts[1] + int(fixed.sum())
+        wrong = kind != (_P_LEAF if leaf else _P_BRANCH)
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            raise self.bad(f"{name}: page {pgnos[i]} has flags {kind[i]:#x} where a "
+                           f"{'leaf' if leaf else 'branch'} page belongs")
+        r, ptr, lo, hi, nflags, ksize = self.nodes(name, pgnos, rows, self.psize, leaf=leaf)
+        if not leaf:
+            counts[0] += len(pgnos)
+            return [lo | hi << 16 | nflags << 32]
+        counts[1] += len(pgnos)
+        counts[3] += len(r)
+        special = np.nonzero(nflags & (_F_BIGDATA | _F_SUBDATA | _F_DUPDATA))[0]
+        for i in range(len(r)) if free_list else special:
+            pgno, buf, body = int(pgnos[r[i]]), rows[r[i]].tobytes(), int(ptr[i]) + _NODE.size
+            size, flags, ks = int(lo[i] | hi[i] << 16), int(nflags[i]), int(ksize[i])
+            if free_list:
+                self.free_record(pgno, buf, body, ks, size, flags, counts)
+            elif flags & _F_BIGDATA:
+                self.overflow(name, struct.unpack_from("<Q", buf, body + ks)[0], size, counts)
+            elif flags & _F_SUBDATA:  # a named database (in the main one), or a tree of duplicates
+                if size != _DB.size:
+                    raise self.bad(f"{name}: page {pgno}: a database record of {size} bytes")
+                sub = _DB.unpack_from(buf, body + ks)
+                if flags & _F_DUPDATA:
+                    self.database(f"{name}'s duplicates", sub, dups=True)
+                else:
+                    self.database(repr(buf[body : body + ks]), sub)
+            else:  # sorted duplicates kept inline, in a page of their own
+                self.sub_page(name, pgno, buf[body + ks : body + ks + size])
+        return []
 
-    def record(self, pgno: int, buf: bytes, body: int, ksize: int, size: int, flags: int) -> None:
+    def nodes(self, name: str, pgnos: np.ndarray, rows: np.ndarray, end: int, *, leaf: bool,
+              fixed: bool = False) -> tuple[np.ndarray, ...]:
+        """The nodes of pages ``rows`` (bytes ``0..end`` of each), checked: each inside its
+        page, and all end to end from ``mp_upper`` to ``end`` (LMDB adds a node just below
+        the others and closes the gap a removed one leaves), which is what a writer's copies
+        and moves rely on. Returns (row, offset, data size lo, hi, flags, key size) arrays,
+        the nodes of each row in key order. ``fixed``: pages of fixed-size keys (no nodes)."""
+        u16 = rows.view("<u2")
+        lower, upper = u16[:, 6].astype(np.int64), u16[:, 7].astype(np.int64)
+        wrong = (lower < _PAGE_HEAD) | (lower > upper) | (upper > end) | (lower % 2 == 1)
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            raise self.bad(f"{name}: page {pgnos[i]}: node table bounds {lower[i]}..{upper[i]} (the page "
+                           f"has {end} bytes)")
+        count = (lower - _PAGE_HEAD) // 2
+        if fixed or not len(rows):
+            return tuple(np.zeros(0, dtype=np.int64) for _ in range(6))
+        table = u16[:, _PAGE_HEAD // 2 : _PAGE_HEAD // 2 + int(count.max())]
+        r = np.repeat(np.arange(len(rows)), count)
+        ptr = table[np.arange(table.shape[1]) < count[:, None]].astype(np.int64)  # (row by row, in key order)
+        wrong = (ptr < upper[r]) | (ptr > end - _NODE.size) | (ptr % 2 == 1)
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            raise self.bad(f"{name}: page {pgnos[r[i]]}: a node at offset {ptr[i]}, outside {upper[r[i]]}..{end}")
+        half = ptr // 2
+        lo, hi, nflags, ksize = (u16[r, half + k].astype(np.int64) for k in range(4))
+        if (ksize > _MAX_KEY).any():
+            i = int(np.argmax(ksize > _MAX_KEY))
+            raise self.bad(f"{name}: page {pgnos[r[i]]}: a key of {ksize[i]} bytes")
+        data = np.where(nflags & _F_BIGDATA, 8, lo | hi << 16) if leaf else 0
+        extent = (_NODE.size + ksize + data + 1) & ~1
+        order = np.lexsort((ptr, r))  # each page's nodes by offset: they must follow one another
+        at, until, page = ptr[order], (ptr + extent)[order], r[order]
+        first = np.ones(len(page), dtype=bool)
+        first[1:] = page[1:] != page[:-1]
+        last = np.ones(len(page), dtype=bool)
+        last[:-1] = first[1:]
+        expect = np.where(first, upper[page], np.roll(until, 1))
+        wrong = (at != expect) | (last & (until != end))
+        empty = (count == 0) & (upper != end)
+        if wrong.any() or empty.any():
+            i = int(np.argmax(wrong)) if wrong.any() else None
+            where = f"page {pgnos[page[i]]}: a node at {at[i]}..{until[i]}" if i is not None else \
+                f"page {pgnos[int(np.argmax(empty))]}: no nodes"
+            raise self.bad(f"{name}: {where}, where the nodes must run end to end from mp_upper to {end} "
+                           "(overlapping, or with a gap)")
+        return r, ptr, lo, hi, nflags, ksize
+
+    def sub_page(self, name: str, pgno: int, sub: bytes) -> None:
+        if len(sub) < _PAGE_HEAD or len(sub) % 2:
+            raise self.bad(f"{name}: page {pgno}: an inline page of duplicates of {len(sub)} bytes")
+        kind = struct.unpack_from("<H", sub, 10)[0] & ~_P_DIRTY
+        if kind not in (_P_SUBP | _P_LEAF, _P_SUBP | _P_LEAF | _P_LEAF2):
+            raise self.bad(f"{name}: page {pgno}: an inline page of duplicates with flags {kind:#x}")
+        row = np.frombuffer(sub, dtype=np.uint8).reshape(1, len(sub))
+        self.nodes(f"{name} (inline duplicates)", np.array([pgno]), row, len(sub), leaf=True,
+                   fixed=bool(kind & _P_LEAF2))
+
+    def page(self, name: str, pgno: int) -> bytes:
+        return self.pages(name, np.array([pgno], dtype=np.int64))[0].tobytes()
+
+    def overflow(self, name: str, first: int, size: int, counts: list[int]) -> int:
+        """Check the run of overflow pages from ``first`` holding ``size`` bytes; its length.
+        (Only its first page is read: the rest is the value's bytes.)"""
+        head = os.pread(self.fd, _PAGE_HEAD, first * self.psize) if 2 <= first <= self.last_pg else b""
+        kind, pages = struct.unpack_from("<HI", head, 10) if len(head) == _PAGE_HEAD else (0, 0)
+        if (kind != _P_OVERFLOW or pages * self.psize - _PAGE_HEAD < size
+                or first + pages - 1 > self.last_pg):
+            raise self.bad(f"{name}: page {first}: no run of overflow pages holding {size} bytes")
+        self.page(name, first)  # (its number, and not reached twice)
+        if self.seen[first + 1 : first + pages].any():
+            raise self.bad(f"{name}: overflow pages {first}..{first + pages - 1} overlap another page")
+        self.seen[first + 1 : first + pages] = True
+        counts[2] += pages
+        return pages
+
+    def free_record(self, pgno: int, buf: bytes, body: int, ksize: int, size: int, flags: int,
+                    counts: list[int]) -> None:
+        if ksize != 8:
+            raise self.bad(f"the free list: page {pgno}: a key of {ksize} bytes (transaction ids have 8)")
         key = struct.unpack_from("<Q", buf, body)[0]
         if not self.last_key < key <= self.txnid:
-            raise self.bad(f"page {pgno}: transaction {key} after {self.last_key} (the last is {self.txnid})")
+            raise self.bad(f"the free list: page {pgno}: transaction {key} after {self.last_key} (the "
+                           f"last is {self.txnid})")
         self.last_key = key
-        self.counts[3] += 1
-        at = body + ksize
         if flags & _F_BIGDATA:
-            if at + 8 > self.psize:
-                raise self.bad(f"page {pgno}: an overflow page number past the page's end")
-            first = struct.unpack_from("<Q", buf, at)[0]
-            head = os.pread(self.fd, _PAGE_HEAD, first * self.psize) if first <= self.last_pg else b""
-            kind, pages = struct.unpack_from("<HI", head, 10) if len(head) == _PAGE_HEAD else (0, 0)
-            if kind & ~_P_TRANSIENT != _P_OVERFLOW or pages * self.psize - _PAGE_HEAD < size:
-                raise self.bad(f"page {first}: no run of overflow pages holding {size} bytes")
-            self.counts[2] += pages
-            value, at = self.page(first, pages), _PAGE_HEAD
+            first = struct.unpack_from("<Q", buf, body + 8)[0]
+            pages = self.overflow("the free list", first, size, counts)
+            value, at = os.pread(self.fd, pages * self.psize, first * self.psize), _PAGE_HEAD
         else:
-            value = buf
-            if at + size > self.psize:
-                raise self.bad(f"page {pgno}: a {size}-byte record past the page's end")
+            value, at = buf, body + 8
         if size < 8 or size % 8:
-            raise self.bad(f"page {pgno}: a record of {size} bytes is no list of page numbers")
-        ids = memoryview(value)[at : at + size].cast("Q")[1:]
-        if struct.unpack_from("<Q", value, at)[0] != len(ids):
-            raise self.bad(f"page {pgno}: a record of {len(ids)} page numbers says it has "
-                           f"{struct.unpack_from('<Q', value, at)[0]}")
-        # LMDB writes each list sorted, descending (checked a slice at a time: lists can
-        # name millions of pages)
-        step = 1 << 20
-        for i in range(0, len(ids), step):
-            part = ids[i : i + step + 1].tolist()
-            if part != sorted(part, reverse=True):
-                raise self.bad(f"page {pgno}: free page numbers out of order")
-        if ids and not (ids[0] <= self.last_pg and ids[-1] >= 2):
-            raise self.bad(f"page {pgno}: free page numbers outside 2..{self.last_pg}")
-        self.free += len(ids)
+            raise self.bad(f"the free list: page {pgno}: a record of {size} bytes is no list of page numbers")
+        room = size // 8 - 1
+        count = struct.unpack_from("<Q", value, at)[0]
+        if count > room:  # (a reserved record may be longer than its list; a writer reads count)
+            raise self.bad(f"the free list: page {pgno}: a record with room for {room} page numbers says "
+                           f"it has {count}")
+        ids = np.frombuffer(value, dtype="<u8", count=count, offset=at + 8).astype(np.int64)
+        if count and (ids[0] > self.last_pg or ids[-1] < 2):
+            raise self.bad(f"the free list: page {pgno}: free page numbers outside 2..{self.last_pg}")
+        if (np.diff(ids) >= 0).any():  # LMDB writes each list sorted, descending
+            raise self.bad(f"the free list: page {pgno}: free page numbers out of order, or one twice")
+        if self.free_map[ids].any():
+            raise self.bad(f"the free list: page {ids[self.free_map[ids]][0]} is listed free twice")
+        self.free_map[ids] = True
+        self.free += int(count)
+
+    def free_and_used(self) -> None:
+        """After the walk: no page is both listed free and part of a tree (a writer would
+        hand it out again, over what it holds)."""
+        both = self.free_map & self.seen
+        if both.any():
+            raise self.bad(f"page {int(np.argmax(both))} is listed free and is in use")
 
 
 def _main(argv: list[str]) -> int:

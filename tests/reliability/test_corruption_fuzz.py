@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from kvhelpers import (  # noqa: I001
     craft,
     free_list_pages,
     header_fields,
+    lmdb_leaf_nodes,
     make_kv,
     open_cache,
     same_bits,
@@ -351,7 +353,8 @@ def test_damaged_lmdb_pages(zygote: Zygote, tmp_path: Path, backend: str, where:
             codes = re.findall(r"MDB_[A-Z_]+", last)
             why = (f"the page check's helper {crash.group(1) or 'hung'}" if crash else
                    ", ".join(codes) if codes else "a key not found by a search" if "search" in last
-                   else "a malformed free list" if "free list:" in last else last[-80:])
+                   else "a malformed free list" if "free list:" in last
+                   else "malformed pages" if "page structure:" in last else last[-80:])
             why = f"{last.split(':', 1)[0].rsplit('.', 1)[-1]}: {why}"
             errors[why] = errors.get(why, 0) + 1
     part = "lmdb_pages" if where == "any page" else "lmdb_free_list"
@@ -394,7 +397,8 @@ def test_lmdb_page_that_crashes_readers_is_refused(zygote: Zygote, tmp_path: Pat
     plain = subprocess.run([sys.executable, "-c", read, str(store / "lmdb"), dbkey.hex()], capture_output=True)
     assert plain.returncode < 0, plain  # killed by a signal
     # kvtier refuses it, in-process and through the zygote's probe, and names the cause
-    with pytest.raises(StoreDamaged, match="crashed the checking process"):
+    # (the page check's structure walk names it before its reader would die on it)
+    with pytest.raises(StoreDamaged, match="page structure: b'records': page .* no run of overflow pages"):
         open_cache(store, "lmdb").close()
     rep = zygote.request("call", timeout=60, fn="probe_store",
                          kwargs={"path": str(store), "backend": "lmdb", "sequences": SEQS})
@@ -433,3 +437,36 @@ def test_damaged_free_list_that_crashes_writers_is_refused(zygote: Zygote, tmp_p
     assert r.returncode == 1 and "Traceback" not in r.stderr and "free list" in r.stderr, r
     record("fuzz/lmdb_free_list/crafted_crash", writer_without_check="killed by a signal",
            kvtier="refused (StoreDamaged)")
+
+
+def test_damaged_node_that_crashes_writers_is_refused(zygote: Zygote, tmp_path: Path) -> None:
+    """Regression (found by the damaged-page probes, then a writer fuzz: 1 of 2,000 damaged
+    index pages): a node whose key size was grown into its neighbours reads back (readers
+    only follow each node's offset), but a writer trusts the node sizes when it moves nodes
+    and corrupts its heap ("free(): invalid size", SIGABRT). The page check requires a
+    page's nodes to lie end to end, as LMDB keeps them, and refuses the store."""
+    store = tmp_path / "s"
+    _fill(store, "files")
+    data = bytearray((store / "index" / "data.mdb").read_bytes())
+    nodes = lmdb_leaf_nodes(data, b"entries")
+    node = nodes[len(nodes) // 2]
+    struct.pack_into("<H", data, node + 6, struct.unpack_from("<H", data, node + 6)[0] + 100)  # its key size
+    (store / "index" / "data.mdb").write_bytes(bytes(data))
+    # the damage is real: a plain LMDB reader of every row gets through, a writer dies
+    for what, code in [("read", "for k, v in txn.cursor(db): bytes(k), bytes(v)"),
+                       ("write", "for k in list(txn.cursor(db).iternext(values=False)): txn.delete(bytes(k), db=db)")]:
+        plain = tmp_path / what
+        shutil.copytree(store / "index", plain)
+        script = (f"import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=8); db = env.open_db(b'entries')\n"
+                  f"with env.begin(write={what == 'write'}) as txn:\n    {code}\n")
+        out = subprocess.run([sys.executable, "-c", script, str(plain)], capture_output=True)
+        assert (out.returncode == 0) if what == "read" else (out.returncode < 0), (what, out)
+    with pytest.raises(StoreDamaged, match="page structure: b'entries': page .* a node at .*overlapping"):
+        open_cache(store, "files").close()
+    rep = zygote.request("call", timeout=60, fn="probe_store",
+                         kwargs={"path": str(store), "backend": "files", "sequences": SEQS})
+    assert "StoreDamaged" in rep.get("error", ""), rep
+    r = kvtier_cli("ls", str(store))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "page structure" in r.stderr, r
+    record("fuzz/lmdb_pages/crafted_writer_crash", reader_without_check="read every row",
+           writer_without_check="killed by a signal", kvtier="refused (StoreDamaged)")

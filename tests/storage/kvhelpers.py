@@ -305,3 +305,26 @@ def free_list_pages(data: bytes | bytearray) -> list[int]:
                 first = struct.unpack_from("<Q", data, pg * 4096 + ptr + 8 + ksize)[0]
                 pages.extend(range(first, first + struct.unpack_from("<I", data, first * 4096 + 12)[0]))
     return pages
+
+
+def _lmdb_nodes(data: bytes | bytearray, pg: int) -> list[int]:
+    """Where page ``pg``'s nodes are in ``data`` (LMDB, 4 KiB pages), in key order."""
+    lower = struct.unpack_from("<H", data, pg * 4096 + 12)[0]
+    return [pg * 4096 + p for p in struct.unpack_from(f"<{(lower - 16) // 2}H", data, pg * 4096 + 16)]
+
+
+def lmdb_leaf_nodes(data: bytes | bytearray, name: bytes) -> list[int]:
+    """Where the nodes of named database ``name``'s first leaf page are in ``data`` (a
+    ``data.mdb``), found from the later meta page: the main database's root (a leaf here)
+    holds each named database's ``MDB_db`` record, whose root leads down to its leaves."""
+    meta = max((data[n * 4096 : (n + 1) * 4096] for n in (0, 1)), key=lambda m: struct.unpack_from("<Q", m, 144)[0])
+    for node in _lmdb_nodes(data, struct.unpack_from("<Q", meta, 128)[0]):
+        ksize = struct.unpack_from("<H", data, node + 6)[0]
+        if data[node + 8 : node + 8 + ksize] == name:
+            depth, pg = struct.unpack_from("<H", data, node + 8 + ksize + 6)[0], struct.unpack_from("<Q", data, node + 8 + ksize + 40)[0]
+            for _ in range(depth - 1):  # a branch node's child: lo | hi << 16 | flags << 32
+                lo, hi, flags = struct.unpack_from("<HHH", data, _lmdb_nodes(data, pg)[0])
+                pg = lo | hi << 16 | flags << 32
+            return _lmdb_nodes(data, pg)
+    raise KeyError(name)
+
