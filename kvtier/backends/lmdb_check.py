@@ -293,9 +293,10 @@ def check_structure(data: str, txnid: int) -> int | None:
     exactly end to end from ``mp_upper`` to the page's end, as LMDB keeps them; overflow
     runs, sub-databases and the inline pages of sorted duplicates likewise; free-list
     records must be lists of page numbers whose count fits their size, sorted as LMDB writes
-    them and within the file; and the page and entry totals of the free list and of each
-    database without duplicates must match the meta page and the database's record. (Not
-    checked: that a free page is not also in use, which would take a map of every page.)"""
+    them and within the file, no page listed twice nor both free and in use; and the page
+    and entry totals of the free list and of each database without duplicates must match
+    the meta page and the database's record (mdb.c keeps them exact; a database of
+    duplicates adds its sub-databases' pages into its own)."""
     if struct.calcsize("P") != 8:  # (a 32-bit build has another layout; nothing checked)
         return 0
     with open(data, "rb", buffering=0) as f:
@@ -377,7 +378,7 @@ class _PageWalk:
     def database(self, name: str, db: tuple[int, ...], *, free_list: bool = False, dups: bool = False) -> None:
         """Walk one tree from its ``MDB_db`` record ``db`` a level at a time; ``dups``: a
         sub-database of sorted duplicates (keys only)."""
-        _, flags, depth, *want, root = db
+        pad, flags, depth, *want, root = db
         counts = [0, 0, 0, 0]  # branch, leaf and overflow pages, entries (as MDB_db)
         if free_list:
             self.last_key = 0  # (its keys: transaction ids, ascending)
@@ -388,22 +389,22 @@ class _PageWalk:
             for d in range(depth, 0, -1):
                 below = []
                 for at in range(0, len(level), self._BATCH):
-                    below.extend(self.level(name, level[at : at + self._BATCH], d == 1, counts, free_list, dups))
+                    below.extend(self.level(name, level[at : at + self._BATCH], d == 1, counts, free_list, dups, pad))
                 level = np.concatenate(below) if below else np.zeros(0, dtype=np.int64)
-        # (a database of duplicates counts its sub-databases' pages and entries in ways
-        # mdb.c does not keep exact in every path: its totals are left alone)
+        # (a database of duplicates adds its sub-databases' pages and entries into its own
+        # totals: left alone)
         if not flags & _MDB_DUPSORT and not dups and counts != want:
             raise self.bad(f"{name}: (branch, leaf, overflow pages, entries) = {tuple(counts)}, its "
                            f"record says {tuple(want)}")
 
     def level(self, name: str, pgnos: np.ndarray, leaf: bool, counts: list[int], free_list: bool,
-              dups: bool) -> list[np.ndarray]:
+              dups: bool, pad: int = 0) -> list[np.ndarray]:
         """Check pages ``pgnos`` of one level; the next level's page numbers, in key order."""
         rows = self.pages(name, pgnos)
         kind = rows[:, 10:12].copy().view("<u2")[:, 0]
-        if leaf and dups:  # duplicates of a fixed size: no nodes, keys packed (bounds only)
+        if leaf and dups:  # duplicates of a fixed size: no nodes, keys packed
             fixed = kind == _P_LEAF | _P_LEAF2
-            self.nodes(name, pgnos[fixed], rows[fixed], self.psize, leaf=True, fixed=True)
+            self.nodes(name, pgnos[fixed], rows[fixed], self.psize, leaf=True, fixed=True, pad=pad)
             pgnos, rows, kind, counts[1] = pgnos[~fixed], rows[~fixed], kind[~fixed], counts[1] + int(fixed.sum())
         wrong = kind != (_P_LEAF if leaf else _P_BRANCH)
         if wrong.any():
@@ -437,7 +438,7 @@ class _PageWalk:
         return []
 
     def nodes(self, name: str, pgnos: np.ndarray, rows: np.ndarray, end: int, *, leaf: bool,
-              fixed: bool = False) -> tuple[np.ndarray, ...]:
+              fixed: bool = False, pad: int = 0) -> tuple[np.ndarray, ...]:
         """The nodes of pages ``rows`` (bytes ``0..end`` of each), checked: each inside its
         page, and all end to end from ``mp_upper`` to ``end`` (LMDB adds a node just below
         the others and closes the gap a removed one leaves), which is what a writer's copies
@@ -445,6 +446,16 @@ class _PageWalk:
         the nodes of each row in key order. ``fixed``: pages of fixed-size keys (no nodes)."""
         u16 = rows.view("<u2")
         lower, upper = u16[:, 6].astype(np.int64), u16[:, 7].astype(np.int64)
+        if fixed:  # LEAF2: keys of `pad` bytes packed after the header; mp_upper only counts
+            # (mdb_node_add: lower += 2, upper -= pad - 2, modulo 2**16), so it may pass `end`
+            n = (lower - _PAGE_HEAD) // 2
+            wrong = ((lower < _PAGE_HEAD) | (lower % 2 == 1) | (_PAGE_HEAD + n * pad > end)
+                     | ((end - n * (pad - 2)) % 65536 != upper)) if pad else np.ones(len(rows), dtype=bool)
+            if wrong.any():
+                i = int(np.argmax(wrong))
+                raise self.bad(f"{name}: page {pgnos[i]}: fixed-size key table bounds {lower[i]}..{upper[i]} "
+                               f"(keys of {pad} bytes, the page has {end} bytes)")
+            return tuple(np.zeros(0, dtype=np.int64) for _ in range(6))
         wrong = (lower < _PAGE_HEAD) | (lower > upper) | (upper > end) | (lower % 2 == 1)
         if wrong.any():
             i = int(np.argmax(wrong))
@@ -492,7 +503,7 @@ class _PageWalk:
             raise self.bad(f"{name}: page {pgno}: an inline page of duplicates with flags {kind:#x}")
         row = np.frombuffer(sub, dtype=np.uint8).reshape(1, len(sub))
         self.nodes(f"{name} (inline duplicates)", np.array([pgno]), row, len(sub), leaf=True,
-                   fixed=bool(kind & _P_LEAF2))
+                   fixed=bool(kind & _P_LEAF2), pad=struct.unpack_from("<H", sub, 8)[0])
 
     def page(self, name: str, pgno: int) -> bytes:
         return self.pages(name, np.array([pgno], dtype=np.int64))[0].tobytes()

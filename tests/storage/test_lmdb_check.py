@@ -255,3 +255,20 @@ def test_each_kind_of_free_list_damage_is_named(tmp_path: Path, how: str, says: 
     assert says in (damage_report(store / "index") or ""), damage_report(store / "index")
     with pytest.raises(StoreDamaged, match="page structure"):
         open_cache(store, "files").close()
+
+
+@pytest.mark.parametrize("size", [1, 2, 8])
+def test_fixed_size_duplicates_read_back_sound(tmp_path: Path, size: int) -> None:
+    """Regression (a false alarm found in review): on a page of fixed-size duplicates,
+    ``mp_upper`` only counts (``end - n * (size - 2)``, modulo 2**16), so with 1-byte values
+    it passes the page's end. Inline pages and trees of such duplicates read back sound."""
+    env = lmdb.open(str(tmp_path / "env"), max_dbs=2)
+    db = env.open_db(b"f", dupsort=True, dupfixed=True)
+    with env.begin(write=True) as txn:
+        for key, count in ((b"two", 2), (b"some", 60), (b"many", 3000)):  # inline, inline, a tree
+            for v in range(count):
+                txn.put(key, (v % 256 ** size).to_bytes(size, "big"), db=db)
+    with env.begin() as txn:
+        assert lmdb_check.check_structure(str(tmp_path / "env" / "data.mdb"), txn.id()) is not None
+    env.close()
+    assert damage_report(tmp_path / "env") is None
