@@ -229,8 +229,8 @@ def _open_db(env: lmdb.Environment, txn: lmdb.Transaction, name: bytes) -> objec
 
 
 def walk(path: str) -> int:
-    """Read every page a reader can reach, then check the free list (in the helper process);
-    the number of rows."""
+    """Check every page's structure (:func:`check_structure`), then read every page a reader
+    can reach (in the helper process); the number of rows."""
     env = lmdb.open(path, readonly=True, lock=True, max_dbs=64, subdir=True, readahead=False,
                     map_size=0)
     rows = 0
@@ -275,6 +275,7 @@ _MDB_DUPSORT = 0x04
 _MDB_NOT_FREE_LIST = 0x02 | 0x04 | 0x10 | 0x20 | 0x40  # flags the free list never has (REVERSEKEY, DUP*)
 _MAX_KEY = 511  # MDB_MAXKEYSIZE
 _NO_ROOT = (1 << 64) - 1
+_NO_NODES = tuple(np.zeros(0, dtype=np.int64) for _ in range(6))  # (what _PageWalk.nodes returns)
 
 
 def check_structure(data: str, txnid: int) -> int | None:
@@ -302,12 +303,12 @@ def check_structure(data: str, txnid: int) -> int | None:
     with open(data, "rb", buffering=0) as f:
         fd = f.fileno()
         head = os.pread(fd, _PAGE_HEAD + 160, 0)
-        if len(head) < _META + 40 or struct.unpack_from("<I", head, _META)[0] != _MAGIC:
+        if _meta_txnid(head) is None:
             return 0  # not a meta page LMDB would open: its own open says why
         psize = _DB.unpack_from(head, _META + 24)[0]
         if psize < 512 or psize & (psize - 1) or psize > 1 << 16:
             raise lmdb.CorruptedError(f"page structure: the meta page names a page size of {psize}")
-        metas = [os.pread(fd, _PAGE_HEAD + 160, n * psize) for n in (0, 1)]
+        metas = [head, os.pread(fd, _PAGE_HEAD + 160, psize)]
         slot = next((n for n in (0, 1) if _meta_txnid(metas[n]) == txnid), None)
         if slot is None:
             return None
@@ -321,14 +322,13 @@ def check_structure(data: str, txnid: int) -> int | None:
                 raise walk.bad(f"the free list: database flags {free_list[1]:#x}")
             walk.database("the free list", free_list, free_list=True)
             walk.database("the main database", _DB.unpack_from(meta, _META + 72))
-            walk.free_and_used()
+            return walk.free_and_used()
         except lmdb.CorruptedError:
             # a commit rewriting this slot for a later transaction can be read half done
             # (the transaction id is written last): damage only if the slot reads the same
             if os.pread(fd, _PAGE_HEAD + 160, slot * psize) != meta:
                 return None
             raise
-        return walk.free
 
 
 def _meta_txnid(meta: bytes) -> int | None:
@@ -349,8 +349,7 @@ class _PageWalk:
         self.fd, self.psize, self.last_pg, self.txnid = fd, psize, last_pg, txnid
         self.seen = np.zeros(last_pg + 1, dtype=bool)  # pages of the trees (overflow runs included)
         self.free_map = np.zeros(last_pg + 1, dtype=bool)  # pages the free list names
-        self.free = 0  # page numbers the free list names
-        self.last_key = 0
+        self.last_key = 0  # (the free list's keys: transaction ids, ascending)
 
     def bad(self, what: str) -> lmdb.CorruptedError:
         return lmdb.CorruptedError(f"page structure: {what}")
@@ -380,8 +379,6 @@ class _PageWalk:
         sub-database of sorted duplicates (keys only)."""
         pad, flags, depth, *want, root = db
         counts = [0, 0, 0, 0]  # branch, leaf and overflow pages, entries (as MDB_db)
-        if free_list:
-            self.last_key = 0  # (its keys: transaction ids, ascending)
         if root != _NO_ROOT:
             if not 1 <= depth <= 32:
                 raise self.bad(f"{name}: a depth of {depth}")
@@ -455,15 +452,15 @@ class _PageWalk:
                 i = int(np.argmax(wrong))
                 raise self.bad(f"{name}: page {pgnos[i]}: fixed-size key table bounds {lower[i]}..{upper[i]} "
                                f"(keys of {pad} bytes, the page has {end} bytes)")
-            return tuple(np.zeros(0, dtype=np.int64) for _ in range(6))
+            return _NO_NODES
         wrong = (lower < _PAGE_HEAD) | (lower > upper) | (upper > end) | (lower % 2 == 1)
         if wrong.any():
             i = int(np.argmax(wrong))
             raise self.bad(f"{name}: page {pgnos[i]}: node table bounds {lower[i]}..{upper[i]} (the page "
                            f"has {end} bytes)")
         count = (lower - _PAGE_HEAD) // 2
-        if fixed or not len(rows):
-            return tuple(np.zeros(0, dtype=np.int64) for _ in range(6))
+        if not len(rows):
+            return _NO_NODES
         table = u16[:, _PAGE_HEAD // 2 : _PAGE_HEAD // 2 + int(count.max())]
         r = np.repeat(np.arange(len(rows)), count)
         ptr = table[np.arange(table.shape[1]) < count[:, None]].astype(np.int64)  # (row by row, in key order)
@@ -511,12 +508,10 @@ class _PageWalk:
     def overflow(self, name: str, first: int, size: int, counts: list[int]) -> int:
         """Check the run of overflow pages from ``first`` holding ``size`` bytes; its length.
         (Only its first page is read: the rest is the value's bytes.)"""
-        head = os.pread(self.fd, _PAGE_HEAD, first * self.psize) if 2 <= first <= self.last_pg else b""
-        kind, pages = struct.unpack_from("<HI", head, 10) if len(head) == _PAGE_HEAD else (0, 0)
-        if (kind != _P_OVERFLOW or pages * self.psize - _PAGE_HEAD < size
-                or first + pages - 1 > self.last_pg):
+        head = self.page(name, first)  # (inside the file, numbered as where it lies, reached once)
+        kind, pages = struct.unpack_from("<HI", head, 10)
+        if kind != _P_OVERFLOW or pages * self.psize - _PAGE_HEAD < size or first + pages - 1 > self.last_pg:
             raise self.bad(f"{name}: page {first}: no run of overflow pages holding {size} bytes")
-        self.page(name, first)  # (its number, and not reached twice)
         if self.seen[first + 1 : first + pages].any():
             raise self.bad(f"{name}: overflow pages {first}..{first + pages - 1} overlap another page")
         self.seen[first + 1 : first + pages] = True
@@ -553,14 +548,14 @@ class _PageWalk:
         if self.free_map[ids].any():
             raise self.bad(f"the free list: page {ids[self.free_map[ids]][0]} is listed free twice")
         self.free_map[ids] = True
-        self.free += int(count)
 
-    def free_and_used(self) -> None:
+    def free_and_used(self) -> int:
         """After the walk: no page is both listed free and part of a tree (a writer would
-        hand it out again, over what it holds)."""
+        hand it out again, over what it holds); the number of free pages."""
         both = self.free_map & self.seen
         if both.any():
             raise self.bad(f"page {int(np.argmax(both))} is listed free and is in use")
+        return int(self.free_map.sum())
 
 
 def _main(argv: list[str]) -> int:

@@ -382,6 +382,24 @@ def _crash_record_row(store: Path, dbkey: bytes) -> None:
     (store / "lmdb" / "data.mdb").write_bytes(bytes(data))
 
 
+def _refused_everywhere(zygote: Zygote, store: Path, backend: str, says: str) -> None:
+    """kvtier refuses the damaged ``store`` with StoreDamaged naming ``says`` (a regex): in
+    this process, in a probe process, and in ``kvtier ls`` (one line, what to do)."""
+    with pytest.raises(StoreDamaged, match=says):
+        open_cache(store, backend).close()
+    rep = zygote.request("call", timeout=60, fn="probe_store",
+                         kwargs={"path": str(store), "backend": backend, "sequences": SEQS})
+    assert "StoreDamaged" in rep.get("error", ""), rep
+    r = kvtier_cli("ls", str(store))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and re.search(says, r.stderr), r
+    assert r.stderr.startswith("kvtier: error:") and "damaged" in r.stderr and "delete it" in r.stderr, r
+
+
+def _plain_lmdb(script: str, *args: object) -> int:
+    """The exit status of ``script`` run with plain py-lmdb in a new process (negative: a signal)."""
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True).returncode
+
+
 def test_lmdb_page_that_crashes_readers_is_refused(zygote: Zygote, tmp_path: Path) -> None:
     """Regression (found by the damaged-page probes): a damaged LMDB page can kill the process
     that reads it. The store is checked in a helper process before it is trusted, so opening
@@ -394,18 +412,10 @@ def test_lmdb_page_that_crashes_readers_is_refused(zygote: Zygote, tmp_path: Pat
     # the damage is real: a plain LMDB reader of that row dies
     read = ("import lmdb, sys; env = lmdb.open(sys.argv[1], readonly=True, max_dbs=8); "
             "db = env.open_db(b'records'); env.begin().get(bytes.fromhex(sys.argv[2]), db=db)")
-    plain = subprocess.run([sys.executable, "-c", read, str(store / "lmdb"), dbkey.hex()], capture_output=True)
-    assert plain.returncode < 0, plain  # killed by a signal
-    # kvtier refuses it, in-process and through the zygote's probe, and names the cause
-    # (the page check's structure walk names it before its reader would die on it)
-    with pytest.raises(StoreDamaged, match="page structure: b'records': page .* no run of overflow pages"):
-        open_cache(store, "lmdb").close()
-    rep = zygote.request("call", timeout=60, fn="probe_store",
-                         kwargs={"path": str(store), "backend": "lmdb", "sequences": SEQS})
-    assert "StoreDamaged" in rep.get("error", ""), rep
-    r = kvtier_cli("ls", str(store))
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r
-    assert r.stderr.startswith("kvtier: error:") and "damaged" in r.stderr and "delete it" in r.stderr, r
+    assert _plain_lmdb(read, store / "lmdb", dbkey.hex()) < 0  # killed by a signal
+    # kvtier refuses it and names the cause (the page check's structure walk names it
+    # before its reader would die on it)
+    _refused_everywhere(zygote, store, "lmdb", "page structure: b'records': page .* no run of overflow pages")
     record("fuzz/lmdb_pages/crafted_crash", reader_without_check="killed by a signal",
            kvtier="refused (StoreDamaged)")
 
@@ -426,15 +436,8 @@ def test_damaged_free_list_that_crashes_writers_is_refused(zygote: Zygote, tmp_p
     # the damage is real: a plain LMDB writer dies at its first page allocation
     write = ("import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=8); "
              "txn = env.begin(write=True); txn.put(b'k', b'v' * 100); txn.commit()")
-    out = subprocess.run([sys.executable, "-c", write, str(plain)], capture_output=True)
-    assert out.returncode < 0, out  # killed by a signal
-    with pytest.raises(StoreDamaged, match="free list: page .* a node at offset 61440"):
-        open_cache(store, "files").close()
-    rep = zygote.request("call", timeout=60, fn="probe_store",
-                         kwargs={"path": str(store), "backend": "files", "sequences": SEQS})
-    assert "StoreDamaged" in rep.get("error", ""), rep
-    r = kvtier_cli("ls", str(store))
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "free list" in r.stderr, r
+    assert _plain_lmdb(write, plain) < 0  # killed by a signal
+    _refused_everywhere(zygote, store, "files", "free list: page .* a node at offset 61440")
     record("fuzz/lmdb_free_list/crafted_crash", writer_without_check="killed by a signal",
            kvtier="refused (StoreDamaged)")
 
@@ -459,14 +462,8 @@ def test_damaged_node_that_crashes_writers_is_refused(zygote: Zygote, tmp_path: 
         shutil.copytree(store / "index", plain)
         script = (f"import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=8); db = env.open_db(b'entries')\n"
                   f"with env.begin(write={what == 'write'}) as txn:\n    {code}\n")
-        out = subprocess.run([sys.executable, "-c", script, str(plain)], capture_output=True)
-        assert (out.returncode == 0) if what == "read" else (out.returncode < 0), (what, out)
-    with pytest.raises(StoreDamaged, match="page structure: b'entries': page .* a node at .*overlapping"):
-        open_cache(store, "files").close()
-    rep = zygote.request("call", timeout=60, fn="probe_store",
-                         kwargs={"path": str(store), "backend": "files", "sequences": SEQS})
-    assert "StoreDamaged" in rep.get("error", ""), rep
-    r = kvtier_cli("ls", str(store))
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "page structure" in r.stderr, r
+        status = _plain_lmdb(script, plain)
+        assert (status == 0) if what == "read" else (status < 0), (what, status)
+    _refused_everywhere(zygote, store, "files", "page structure: b'entries': page .* a node at .*overlapping")
     record("fuzz/lmdb_pages/crafted_writer_crash", reader_without_check="read every row",
            writer_without_check="killed by a signal", kvtier="refused (StoreDamaged)")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from kvhelpers import free_list_pages, make_kv, open_cache, same_bits, seq_tokens
+from kvhelpers import free_list_pages, lmdb_leaf_nodes, make_kv, open_cache, same_bits, seq_tokens
 
 from kvtier import KVCache
 from kvtier.backends import lmdb_check
@@ -153,8 +153,8 @@ def _busy_env(path: Path, seed: int) -> None:
                     txn.put(key, bytes(rng.choice([10, 300, 5000])), db=db)
                 else:
                     txn.delete(key, db=db)
-                txn.put(b"few%d" % rng.randrange(50), rng.randbytes(20), db=dups)  # a few each: inline
-                txn.put(b"many", rng.randbytes(40), db=dups)  # thousands: a tree of its own
+                txn.put(b"few%d" % rng.randrange(2000), rng.randbytes(20), db=dups)  # a few each: inline
+                txn.put(b"a-many", rng.randbytes(40), db=dups)  # thousands: a tree of its own
             if step % 100 == 99:  # one commit that frees hundreds of pages: a record in overflow pages
                 cur = txn.cursor(db=db)
                 while cur.first() and cur.delete():
@@ -173,7 +173,9 @@ def test_a_large_busy_environment_reads_back_sound(tmp_path: Path) -> None:
     """No false alarm on a healthy environment of every shape (see _busy_env)."""
     _busy_env(tmp_path / "env", seed=1)
     data = (tmp_path / "env" / "data.mdb").read_bytes()
-    assert _free_list_meta(data)[0] == 2 and _free_list_meta(data)[1] > 0  # the shapes this covers
+    assert _free_list_meta(data)[0] == 2 and _free_list_meta(data)[1] > 0  # the shapes this covers:
+    dup_kinds = {struct.unpack_from("<H", data, node + 4)[0] for node in lmdb_leaf_nodes(data, b"d")}
+    assert {0x04, 0x06} <= dup_kinds, dup_kinds  # inline duplicates (F_DUPDATA), a tree of them (+F_SUBDATA)
     with lmdb.open(str(tmp_path / "env"), readonly=True, max_dbs=4) as env, env.begin() as txn:
         listed = lmdb_check.check_structure(str(tmp_path / "env" / "data.mdb"), txn.id())
     assert listed is not None and listed > 1000
