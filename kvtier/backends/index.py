@@ -14,7 +14,10 @@ Databases (all in ``<store>/index``):
 - ``lru``: big-endian last use + key -> empty: eviction order without a scan;
 - ``children``: parent key -> keys of the chunks that extend it (duplicates allowed);
 - ``groups``: rank-0 key -> the other tensor-parallel ranks' keys of the same chunk;
-- ``info``: totals and the store's settings; ``namespaces``: what a namespace id stands for.
+- ``info``: totals and the store's settings; ``namespaces``: what a namespace id stands for;
+- ``leases``: key -> one :data:`_LEASE` per load it is promised to (duplicates allowed), so
+  a release knows which other holders remain (the entry keeps the longest, which eviction
+  reads).
 
 A payload is written first (files or the LMDB data environment) under a fresh *location*,
 and becomes visible only when the index commit that names it succeeds. Removal is the
@@ -62,11 +65,16 @@ NO_KEY = b"\0" * _KEY_BYTES
 _EVICT_SCAN = 256
 INDEX_DIR = "index"
 _DBS = ((b"entries", False), (b"chains", False), (b"lru", False), (b"children", True),
-        (b"groups", True), (b"info", False), (b"namespaces", False))
+        (b"groups", True), (b"info", False), (b"namespaces", False), (b"leases", True))
+# Added after the first release of the index: a read-only handle goes without them (the
+# operations that use them write).
+_ADDED_DBS = frozenset({b"leases"})
 # Address space for the index map (it holds ~0.4 KiB per chunk; the file grows with use).
 _INDEX_MAP = 64 << 30
-# A lease taken: key -> (the lease_until_ns it set, the one it replaced), for its release.
+# A lease taken: key -> (its end in ns, its holder's token), for its release.
 Lease = dict[bytes, tuple[int, int]]
+# One holder's lease in ``leases``: end ns, holder token (big-endian: the longest sorts last).
+_LEASE = struct.Struct(">QQ")
 
 
 @dataclass(frozen=True)
@@ -237,7 +245,8 @@ class StoreIndex:
     def __init__(self, root: Path, *, readonly: bool = False, sync: bool = False) -> None:
         self.path = root / INDEX_DIR
         self.readonly = readonly
-        self.env = EnvHandle(self.path, readonly=readonly, sync=sync, map_size=_INDEX_MAP, dbs=_DBS)
+        self.env = EnvHandle(self.path, readonly=readonly, sync=sync, map_size=_INDEX_MAP, dbs=_DBS,
+                             added=_ADDED_DBS)
 
     # Database handles belong to this process's environment, which a fork replaces: looked
     # up on every use.
@@ -248,6 +257,7 @@ class StoreIndex:
     _groups = _Db(b"groups")
     _info = _Db(b"info")
     _ns = _Db(b"namespaces")
+    _leases = _Db(b"leases")
 
     def close(self) -> None:
         self.env.close()
@@ -402,7 +412,7 @@ class StoreIndex:
                 if old is not None:
                     if old.lease_until_ns > e.lease_until_ns:  # a load was promised this key
                         e = replace(e, lease_until_ns=old.lease_until_ns)
-                    self._drop(txn, old, tot)
+                    self._drop(txn, old, tot, replaced=True)
                     if old.location != e.location:
                         replaced.append(old)
                 self._add(txn, e, tot)
@@ -438,29 +448,41 @@ class StoreIndex:
     def lease(self, keys: Iterable[bytes], seconds: float) -> Lease:
         """Promise ``keys`` to a load: eviction skips them (and every chunk they extend)
         until the lease expires or is released. Leases are times, so a holder that dies
-        frees them. Returns what :meth:`release` needs to undo exactly this lease."""
+        frees them. Returns what :meth:`release` needs to end exactly this lease."""
         now = time.time_ns()
         until = now + int(seconds * 1e9)
+        token = int.from_bytes(os.urandom(8), "big")
         held: Lease = {}
         with self._write() as txn:
             for k in keys:
                 e = self._get(txn, k)
-                if e is not None:
-                    if until > e.lease_until_ns:
-                        held[k] = (until, e.lease_until_ns)
-                    self._restamp(txn, e, replace(e, atime_ns=max(now, e.atime_ns),
-                                                  lease_until_ns=max(until, e.lease_until_ns)))
+                if e is None:
+                    continue
+                if until > now:  # (a lease of no time holds nothing)
+                    txn.put(k, _LEASE.pack(until, token), db=self._leases)
+                    held[k] = (until, token)
+                self._restamp(txn, e, replace(e, atime_ns=max(now, e.atime_ns),
+                                              lease_until_ns=max(until, e.lease_until_ns)))
         return held
 
     def release(self, held: Lease) -> None:
-        """End a lease once its load is done: each key's lease goes back to what it was
-        before, unless another process has leased the key since (its longer lease stays;
-        an earlier holder's lease, restored here, runs to its own end)."""
+        """End a lease once its load is done. Each key stays leased until the longest of the
+        leases other holders still have on it, or is free now if none has; expired holders'
+        rows go on the way. A lease the ``leases`` database does not list (taken by a kvtier
+        before it existed) runs to its own end."""
+        now = time.time_ns()
         with self._write() as txn:
-            for k, (mine, before) in held.items():
+            for k, (until, token) in held.items():
+                rows = [_LEASE.unpack(v) for v in self._dups(txn, self._leases, k)]
+                for row in rows:
+                    if row == (until, token) or row[0] <= now:
+                        txn.delete(k, _LEASE.pack(*row), db=self._leases)
                 e = self._get(txn, k)
-                if e is not None and e.lease_until_ns == mine:
-                    self._restamp(txn, e, replace(e, lease_until_ns=before))
+                if e is None or e.lease_until_ns > max((u for u, _ in rows), default=0):
+                    continue
+                rest = max((u for u, t in rows if u > now and (u, t) != (until, token)), default=0)
+                if rest != e.lease_until_ns:
+                    self._restamp(txn, e, replace(e, lease_until_ns=rest))
 
     def evict(self, target_bytes: int) -> list[EntryInfo]:
         """Evict until at most ``target_bytes`` are occupied; the evicted entries."""
@@ -487,8 +509,10 @@ class StoreIndex:
             txn.put(e.group, e.key, db=self._groups)
         tot.add(e)
 
-    def _drop(self, txn: lmdb.Transaction, e: EntryInfo, tot: Totals) -> None:
+    def _drop(self, txn: lmdb.Transaction, e: EntryInfo, tot: Totals, *, replaced: bool = False) -> None:
         txn.delete(e.key, db=self._entries)
+        if not replaced:  # (a new version of the record keeps its promised loads)
+            txn.delete(e.key, db=self._leases)
         txn.delete(e.chain_key, db=self._chains)
         txn.delete(e.lru_key, db=self._lru)
         if e.parent != NO_KEY:
@@ -546,6 +570,7 @@ class StoreIndex:
                         txn.delete(lk, db=self._lru)
                         if len(lk) > 8:
                             txn.delete(lk[8:], db=self._entries)
+                            txn.delete(lk[8:], db=self._leases)
                     continue  # gone with an earlier victim's relatives, or restamped
                 group = self._related(txn, e.key)
                 if any(m.lease_until_ns > now for m in group):

@@ -114,7 +114,7 @@ forksafe.register(forksafe.LMDB, before=GATE.before_fork, after_in_parent=GATE.a
 
 
 def acquire_env(path: Path, *, readonly: bool, sync: bool, map_size: int, readahead: bool,
-                max_dbs: int = 8, metasync: bool = True) -> lmdb.Environment:
+                max_dbs: int = 16, metasync: bool = True) -> lmdb.Environment:
     """This process's environment at ``path`` (opened on first use, reference counted).
 
     ``metasync=False`` (with ``sync``): a commit syncs its data pages but not its meta page,
@@ -205,7 +205,7 @@ class EnvHandle:
 
     def __init__(self, path: Path, *, readonly: bool, sync: bool, map_size: int,
                  dbs: tuple[tuple[bytes, bool], ...], readahead: bool = False,
-                 metasync: bool = True) -> None:
+                 metasync: bool = True, added: frozenset[bytes] = frozenset()) -> None:
         self.path = path
         self.readonly = readonly
         self._sync = sync
@@ -213,6 +213,9 @@ class EnvHandle:
         self._readahead = readahead
         self._map_size = map_size
         self._db_specs = dbs  # (name, dupsort)
+        # databases a newer kvtier added: an environment no writer of that version has opened
+        # yet lacks them, and a read-only handle goes without (a writer's open creates them)
+        self._added = added
         self._reopen_lock = threading.Lock()
         self.dbs: dict[bytes, object] = {}
         self._open()
@@ -222,7 +225,13 @@ class EnvHandle:
                           readahead=self._readahead, metasync=self._metasync)
         with GATE.held():
             if self.readonly:
-                dbs = {n: env.open_db(n, create=False, dupsort=d) for n, d in self._db_specs}
+                dbs = {}
+                for n, d in self._db_specs:
+                    try:
+                        dbs[n] = env.open_db(n, create=False, dupsort=d)
+                    except lmdb.NotFoundError:
+                        if n not in self._added:
+                            raise
             else:
                 with env.begin(write=True) as txn:
                     dbs = {n: env.open_db(n, txn=txn, dupsort=d) for n, d in self._db_specs}

@@ -276,6 +276,23 @@ def evict_store(path: str, backend: str, target_bytes: int) -> dict[str, Any]:
     return {"evicted": n, "freed": freed}
 
 
+def lease_keys(path: str, backend: str, keys: list[str], seconds: float,
+               release: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Another server's scheduler: lease ``keys`` (hex) for a load, or end the lease
+    ``release`` it took before (what ``lease`` returned, in hex)."""
+    from kvtier.store_view import StoreView
+
+    view = StoreView(H.config(path, backend))
+    try:
+        if release is not None:
+            view.backend.release({bytes.fromhex(k): (u, t) for k, (u, t) in release.items()})
+            return {}
+        held = view.backend.lease([bytes.fromhex(k) for k in keys], seconds)
+        return {"held": {k.hex(): list(v) for k, v in held.items()}}
+    finally:
+        view.close()
+
+
 def ranked_writer(path: str, backend: str, server: int, rank: int, tp: int, prompts: list[int],
                   cfg: dict[str, Any], start_at: float = 0.0) -> dict[str, Any]:
     """One tensor-parallel rank of a server: saves each prompt's chunks under this rank's
@@ -380,7 +397,7 @@ def forked_readers(path: str, backend: str) -> dict[str, Any]:
 
 FUNCTIONS = {"killed_mid_commit": killed_mid_commit, "probe_store": probe_store, "write_matrix": write_matrix, "mixer": mixer, "fork_family": fork_family,
              "forked_readers": forked_readers,
-             "evict_store": evict_store, "ranked_writer": ranked_writer}
+             "evict_store": evict_store, "ranked_writer": ranked_writer, "lease_keys": lease_keys}
 
 
 def zygote() -> None:

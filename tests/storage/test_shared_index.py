@@ -170,19 +170,106 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
         cache.save(TOKS, make_kv(TOKS))
         cache.save(other, make_kv(other))
         assert cache.flush(30)
-        b.lease(keys[-1:], 60.0)
+        held = b.lease(keys[-1:], 60.0)
         b.lease(short[-1:], 0.05)
         time.sleep(0.1)
         assert b.evict_lru(b.occupied() - 2 * (b.occupied() // 8))[0] == 2
         assert b.count_present_prefix(short) == 0 and b.count_present_prefix(keys) == 6
-        # Ended out of order (the first lease's load finishes first), a release leaves the
-        # later lease alone; the later one's release puts back the earlier one's end time,
-        # which then runs out by itself (the documented limit)
+        # Ended in either order, a release leaves the key leased until the longest lease
+        # another holder still has, and free once none has
+        k = keys[-1]
         first, later = b.lease(keys[-1:], 90.0), b.lease(keys[-1:], 120.0)
         b.release(first)
-        assert b.lookup(keys[-1]).lease_until_ns == later[keys[-1]][0]
+        assert b.lookup(k).lease_until_ns == later[k][0]
         b.release(later)
-        assert b.lookup(keys[-1]).lease_until_ns == first[keys[-1]][0]
+        assert b.lookup(k).lease_until_ns == held[k][0]  # the 60 s lease is still held
+        b.release(held)
+        assert b.lookup(k).lease_until_ns == 0
+        first, later = b.lease(keys[-1:], 90.0), b.lease(keys[-1:], 120.0)
+        b.release(later)
+        assert b.lookup(k).lease_until_ns == first[k][0]
+        b.release(first)
+        assert b.lookup(k).lease_until_ns == 0
+        assert b.evict_lru(0)[0] == 6
+
+
+def test_two_servers_loading_one_prompt_free_it_when_both_are_done(zygote: Zygote, tmp_path: Path,
+                                                                    backend: str) -> None:
+    """Two servers promise one prompt to a load at once, and the one that leased it first
+    finishes first: once the second finishes too, eviction may take the prompt at once (it
+    used to stay leased until the first lease's end, up to 120 s); the index keeps no row of
+    a finished or evicted lease."""
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        keys = [c.key for c in cache.chunks(TOKS)]
+        k = keys[-1]
+        b = cache.store.backend
+
+        def evict_all() -> int:
+            return zygote.request("call", fn="evict_store", kwargs={
+                "path": str(store), "backend": backend, "target_bytes": 0})["evicted"]
+
+        def other_server(**kw: object) -> dict:
+            return zygote.request("call", fn="lease_keys", kwargs={
+                "path": str(store), "backend": backend, "keys": [k.hex()], **kw})
+
+        mine = b.lease([k], 60.0)
+        theirs = other_server(seconds=90.0)["held"]
+        assert b.lookup(k).lease_until_ns == theirs[k.hex()][0]
+        b.release(mine)  # the first to lease finishes first
+        assert b.lookup(k).lease_until_ns == theirs[k.hex()][0]
+        assert evict_all() == 0
+        other_server(seconds=0.0, release=theirs)
+        assert b.lookup(k).lease_until_ns == 0
+        assert _lease_rows(b) == 0
+        assert evict_all() == 6
+        # a server that dies holding a lease: it runs out by itself, and eviction, or the
+        # next release of the key, drops its row
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        other_server(seconds=0.2)
+        b.release(b.lease([k], 0.1))
+        assert _lease_rows(b) == 1
+        time.sleep(0.25)
+        assert evict_all() == 6
+        assert _lease_rows(b) == 0
+
+
+def test_an_index_from_before_the_leases_database_opens_and_leases(tmp_path: Path, backend: str) -> None:
+    """A store whose index an older kvtier wrote (no ``leases`` database) opens read-only as
+    before (the CLI), and a writer's open adds the database."""
+    import lmdb
+
+    from kvtier.backends.index import INDEX_DIR, StoreIndex
+
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        keys = [c.key for c in cache.chunks(TOKS)]
+    env = lmdb.open(str(store / INDEX_DIR), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"leases", txn=txn, dupsort=True), delete=True)
+    env.close()
+    index = StoreIndex(store, readonly=True)
+    try:
+        assert index.present_prefix(keys) == 6
+    finally:
+        index.close()
+    with ChunkStore(config(store, backend)) as writer:
+        b = writer.backend
+        held = b.lease(keys[-1:], 60.0)
+        assert _lease_rows(b) == 1
+        b.release(held)
+        assert b.lookup(keys[-1]).lease_until_ns == 0
+
+
+def _lease_rows(backend: Backend) -> int:
+    index = backend.index
+    with index.env.txn() as txn:
+        return txn.stat(index._leases)["entries"]
 
 
 def _wait_for_lease(backend: Backend, key: bytes, until_ns: int) -> None:
