@@ -876,6 +876,9 @@ class ChunkStore:
             "host_bytes": self.host.nbytes, "host_chunks": len(self.host),
             "host_budget_bytes": self.host.budget,
             "queued_bytes": queued, "queue_budget_bytes": int(self.config.write_queue_bytes),
+            # (no remote tier configured: both 0)
+            "remote_queued_bytes": self.remote.queued_bytes if self.remote is not None else 0,
+            "remote_queue_budget_bytes": self.remote.queue_bytes if self.remote is not None else 0,
             **disk,
         }
 

@@ -556,6 +556,12 @@ class RemoteTier:
             self._cv.notify_all()
         return True
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting for upload or being uploaded (what ``queue_bytes`` bounds)."""
+        with self._cv:
+            return self._queued_bytes
+
     def _write_loop(self) -> None:
         while True:
             with self._cv:

@@ -199,13 +199,24 @@ def test_a_server_that_refuses_writes_costs_counted_drops_not_errors(tmp_path: P
 
 
 def test_the_upload_queue_has_a_byte_budget(tmp_path: Path, redis_server: LocalRedis) -> None:
+    """Uploads that pile up beside a stalled server stay within their budget (the rest is
+    dropped and counted), and stats() shows the queue's usage beside that budget."""
     seqs = [tokens(10 + i, 2 * CHUNK) for i in range(20)]
     redis_server.client().client_pause(3000)  # the server stalls: uploads pile up
     with open_cache(tmp_path / "a", redis_server.url, remote_queue_bytes="100K", remote_timeout_s=5) as a:
         for s in seqs:
             a.save(s, kv_for(s))
+        most = 0
+        deadline = time.monotonic() + 2.5  # (within the pause)
+        while time.monotonic() < deadline and a.stats()["remote_dropped"] == 0:
+            most = max(most, a.stats()["remote_queued_bytes"])
+            time.sleep(0.01)
+        paused = a.stats()
+        assert paused["remote_queue_budget_bytes"] == 100 << 10
+        assert 0 < max(most, paused["remote_queued_bytes"]) <= 100 << 10
         a.flush(30)
         stats = a.stats()
+    assert stats["remote_queued_bytes"] == 0
     assert stats["remote_dropped"] > 0  # 40 chunks of 32 KiB do not fit in 100 KiB
     assert stats["remote_saves"] + stats["remote_dropped"] == 40
     assert stats["saves_committed"] == 40

@@ -471,6 +471,7 @@ def test_stats_report_each_budget_beside_its_usage(tmp_path: Path, backend: str)
         assert (st["host_budget_bytes"], st["queue_budget_bytes"], st["disk_budget_bytes"]) == (
             2 << 20, 1 << 20, 3 << 20)
         assert 0 < st["host_bytes"] <= st["host_budget_bytes"] and st["disk_records"] == 3
+        assert (st["remote_queued_bytes"], st["remote_queue_budget_bytes"]) == (0, 0)  # no remote tier
         # the budget bounds whole blocks or pages, more than the record bytes
         assert st["disk_occupied_bytes"] == cache.store.backend.occupied() > st["disk_bytes"] > 0
     cache = open_cache(store, backend)  # disk_bytes not given: the store's 3M holds, not 64G
