@@ -43,7 +43,13 @@ class _Guard:
     the finalizer inside a locked section, and a plain ``with lock`` there deadlocks. So a
     finalizer hands its item back with :meth:`give_back`, which never blocks: it applies
     the item at once if the lock is free, else leaves it for whoever holds the lock (or
-    takes it next) to apply on entering or leaving it."""
+    takes it next) to apply on entering or leaving it.
+
+    The item is queued first, then applied if the lock is free: a Ctrl-C landing in the
+    finalizer after that (while it takes the lock) leaves it queued for the next holder,
+    instead of losing it (a lost slot shrinks the pool for the process's life). (Not
+    re-queued if applying it is cut short: a slot handed out twice is worse than one lost.)
+    """
 
     def __init__(self, apply: Callable[[Any], None]) -> None:
         self.lock = threading.Lock()
@@ -51,14 +57,12 @@ class _Guard:
         self._later: deque[Any] = deque()
 
     def give_back(self, item: Any) -> None:
+        self._later.append(item)  # atomic; no lock
         if self.lock.acquire(blocking=False):
             try:
-                self._apply(item)
                 self._drain()
             finally:
                 self.lock.release()
-        else:
-            self._later.append(item)  # atomic; no lock
 
     def __enter__(self) -> _Guard:
         self.lock.acquire()

@@ -49,6 +49,31 @@ def test_a_slot_returns_only_when_nothing_uses_it() -> None:
     assert pool.chunk_bytes == 2 * CHUNK_BYTES
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the Ctrl-C, reported)
+def test_a_slot_given_back_during_a_ctrl_c_is_not_lost() -> None:
+    """A finalizer runs wherever a collection happens, so a Ctrl-C can land in it while it
+    hands a slot back. An audit once saw a slot lost that way (the pool one slot smaller
+    for good): a slot whose hand-back is interrupted while it takes the lock is applied by
+    the pool's next use instead."""
+    pool = BufferPool(2 * CHUNK_BYTES, pin=False)
+    a = pool.acquire(SHAPE, torch.bfloat16)
+    b = pool.acquire(SHAPE, torch.bfloat16)
+    assert a is not None and b is not None and pool.acquire(SHAPE, torch.bfloat16) is None
+    guard, real = pool._lock, pool._lock.lock
+
+    class InterruptedLock:  # the Ctrl-C arrives as the finalizer takes the lock
+        def acquire(self, blocking: bool = True) -> bool:
+            guard.lock = real
+            raise KeyboardInterrupt
+
+    guard.lock = InterruptedLock()  # type: ignore[assignment]
+    del a
+    gc.collect()  # (the finalizer's exception is reported, not raised)
+    assert guard.lock is real
+    c = pool.acquire(SHAPE, torch.bfloat16)
+    assert c is not None and pool.created == 2  # the slot came back: reused, not allocated
+
+
 def test_reserve_makes_every_slot_at_once_and_close_lets_them_go() -> None:
     pool = BufferPool(3 * CHUNK_BYTES + 100, pin=False)
     assert pool.reserve(SHAPE, torch.bfloat16) == 3 and pool.created == 3 and pool.free_slots == 3
