@@ -473,10 +473,14 @@ class StoreIndex:
         now = time.time_ns()
         with self._write() as txn:
             for k, (until, token) in held.items():
-                rows = [_LEASE.unpack(v) for v in self._dups(txn, self._leases, k)]
-                for row in rows:
+                rows = []
+                for raw in self._dups(txn, self._leases, k):
+                    row = _LEASE.unpack(raw) if len(raw) == _LEASE.size else (0, 0)  # (0: damaged)
                     if row == (until, token) or row[0] <= now:
-                        txn.delete(k, _LEASE.pack(*row), db=self._leases)
+                        txn.delete(k, raw, db=self._leases)
+                    else:
+                        rows.append(row)
+                rows.append((until, token))  # (what the entry's lease may still be, if no row said it)
                 e = self._get(txn, k)
                 if e is None or e.lease_until_ns > max((u for u, _ in rows), default=0):
                     continue
