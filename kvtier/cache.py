@@ -51,6 +51,11 @@ class KVCache:
         """A cache over an open ``store``. ``owns_store``: :meth:`close` closes the store too;
         pass False for caches that share one store (several namespaces), and close the store
         yourself."""
+        if not isinstance(store, ChunkStore):
+            raise TypeError(f"KVCache(store, namespace): store must be an open kvtier.ChunkStore, got "
+                            f"{type(store).__name__}; to open a store by its path, use "
+                            "KVCache.open(path, namespace, config)")
+        _check_namespace(namespace, "KVCache(store, namespace)")
         self._dtype = _check_fits(namespace, store.config, tail_granularity, writes=not store.readonly)
         self.store = store
         self.namespace = namespace
@@ -63,6 +68,10 @@ class KVCache:
     def open(cls, path: str | Path, namespace: Namespace, config: CacheConfig | None = None,
              *, tail_granularity: int = 16, readonly: bool = False) -> KVCache:
         """Open (creating if needed) the store at ``path`` for ``namespace``."""
+        _check_namespace(namespace, "KVCache.open(path, namespace, config)")
+        if config is not None and not isinstance(config, CacheConfig):
+            raise TypeError(f"KVCache.open(path, namespace, config): config must be a kvtier.CacheConfig, got "
+                            f"{type(config).__name__} (CacheConfig.from_dict({{...}}) for a dict of settings)")
         cfg = config.replaced(path=Path(path)) if config else CacheConfig(
             path=Path(path), chunk_tokens=namespace.chunk_tokens)
         _check_fits(namespace, cfg, tail_granularity, writes=not readonly)  # before the store is created or changed
@@ -219,6 +228,12 @@ class KVCache:
             raise ValueError(f"kv dtype {kv.dtype} differs from the namespace's {self.namespace.dtype}")
         if kv.device.type == "meta":
             raise ValueError("kv is on the meta device: it has no values to save")
+
+
+def _check_namespace(namespace: object, call: str) -> None:
+    if not isinstance(namespace, Namespace):
+        raise TypeError(f"{call}: namespace must be a kvtier.Namespace(model=..., weights_fingerprint=..., "
+                        f"dtype=..., kv_shape=..., chunk_tokens=...), got {type(namespace).__name__}")
 
 
 def _check_fits(namespace: Namespace, config: CacheConfig, tail_granularity: int, *,

@@ -139,6 +139,9 @@ class ChunkStore:
     """Chunks (tensors in the canonical layout) under 32-byte keys, in host memory and on disk."""
 
     def __init__(self, config: CacheConfig, *, readonly: bool = False) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"ChunkStore(config): expected a kvtier.CacheConfig, got {type(config).__name__} "
+                            "(CacheConfig(path=...), or CacheConfig.from_dict({...}) for a dict of settings)")
         self.config = config
         self.readonly = readonly
         self.counters = Counters()

@@ -465,3 +465,20 @@ def test_misused_arguments_say_what_to_give(tmp_path: Path) -> None:
             cache.save(toks, make_kv(toks).to("meta"))
     with pytest.raises(ConfigError, match="setting names are strings, got 5"):
         CacheConfig.from_dict({5: 1})  # type: ignore[dict-item]
+    # the constructors' arguments, given as what a user might have at hand (a path, a dict, a
+    # model name): a TypeError that says what to give, not an AttributeError from deep inside
+    store, ns = tmp_path / "t", namespace()
+    with pytest.raises(TypeError, match=r"ChunkStore\(config\): expected a kvtier.CacheConfig, got str"):
+        ChunkStore(str(store))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got dict \(CacheConfig\(path=...\), or CacheConfig.from_dict"):
+        ChunkStore({"path": str(store)})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"store must be an open kvtier.ChunkStore, got CacheConfig; .*KVCache.open"):
+        KVCache(CacheConfig(path=store), ns)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"KVCache.open\(path, namespace, config\): namespace must be a kvtier.Namespace"):
+        KVCache.open(store, "llama")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"config must be a kvtier.CacheConfig, got dict"):
+        KVCache.open(store, ns, {"chunk_tokens": CHUNK})  # type: ignore[arg-type]
+    assert not store.exists()  # nothing was created on the way
+    with ChunkStore(CacheConfig(path=store, chunk_tokens=CHUNK)) as opened, pytest.raises(
+            TypeError, match=r"KVCache\(store, namespace\): namespace must be a kvtier.Namespace"):
+        KVCache(opened, "llama")  # type: ignore[arg-type]
