@@ -47,11 +47,43 @@ class Namespace:
     extra: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_shape", tuple(int(d) for d in self.kv_shape))
-        if len(self.kv_shape) != 4 or self.kv_shape[1] != 2 or min(self.kv_shape) <= 0:
-            raise ValueError(f"kv_shape must be (layers, 2, kv_heads, head_dim), got {self.kv_shape}")
+        # Checked here, not where the namespace is used: a wrong type would otherwise key the
+        # KV under a namespace nobody else can name ("16" is not 16) or fail deep inside.
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))  # torch.bfloat16
+        for name in ("model", "weights_fingerprint", "dtype", "layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"Namespace: {name} must be a non-empty string, got {value!r}"
+                                + (" (a digest of the model's weights, e.g. 'sha256:...': KV is never keyed "
+                                   "by a model's name alone)" if name == "weights_fingerprint" else ""))
+        for name in ("chunk_tokens", "tp_rank", "tp_size", "format_version"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise TypeError(f"Namespace: {name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        try:
+            shape = tuple(self.kv_shape)
+        except TypeError:  # (not iterable)
+            shape = ()
+        if len(shape) != 4 or not all(_is_int(d) for d in shape) or shape[1] != 2 or min(shape) <= 0:
+            raise ValueError(f"kv_shape must be (layers, 2, kv_heads, head_dim), integers, got {self.kv_shape!r}")
+        object.__setattr__(self, "kv_shape", tuple(int(d) for d in shape))
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"Namespace: chunk_tokens must be 1 or more, got {self.chunk_tokens}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} must be in [0, tp_size={self.tp_size})")
+        extra = self.extra.items() if isinstance(self.extra, dict) else self.extra
+        try:
+            pairs = tuple((k, v) for k, v in extra)
+        except (TypeError, ValueError):
+            pairs = None
+        if pairs is None or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
+            raise TypeError(f"Namespace: extra must be (name, value) pairs of strings (or a dict of them), "
+                            f"got {self.extra!r}")
+        if len({k for k, _ in pairs}) != len(pairs):
+            raise ValueError(f"Namespace: extra names a setting twice: {self.extra!r}")
+        object.__setattr__(self, "extra", tuple(sorted(pairs)))  # (the id does not depend on the order)
 
     def describe(self) -> dict[str, object]:
         """A JSON-ready description (what ``kvtier ls`` shows)."""
@@ -79,6 +111,20 @@ class RequestExtras:
     lora: str | None = None
     mm_hashes: tuple[tuple[str, int], ...] = field(default_factory=tuple)
 
+    def __post_init__(self) -> None:
+        for name in ("cache_salt", "lora"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"RequestExtras: {name} must be a string or None, got {value!r}")
+        try:
+            mm = tuple((h, o) for h, o in self.mm_hashes)
+        except (TypeError, ValueError):
+            mm = None
+        if mm is None or not all(isinstance(h, str) and h and _is_int(o) and o >= 0 for h, o in mm):
+            raise TypeError("RequestExtras: mm_hashes must be (content hash, token offset) pairs: a non-empty "
+                            f"string and an integer of 0 or more, got {self.mm_hashes!r}")
+        object.__setattr__(self, "mm_hashes", tuple((h, int(o)) for h, o in mm))
+
     def canonical(self) -> bytes:
         return json.dumps(
             {"salt": self.cache_salt, "lora": self.lora, "mm": [list(m) for m in self.mm_hashes]},
@@ -88,6 +134,10 @@ class RequestExtras:
 
 
 NO_EXTRAS = RequestExtras()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 class ChunkRef(NamedTuple):
@@ -142,7 +192,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.floor(arr))):
             raise ValueError("token ids must be integers, got fractional values")  # (0.5 would key as 0)
         if arr.dtype.kind == "O":  # (Decimal("0.5") would key as 0)
-            odd = next((t for t in arr if not isinstance(t, int | np.integer) or isinstance(t, bool)), None)
+            odd = next((t for t in arr if not _is_int(t)), None)
             if odd is not None:
                 raise ValueError(f"token ids must be integers, got {type(odd).__name__} values")
         try:  # in range before the cast, which would wrap what is not (ints beyond int64: object)

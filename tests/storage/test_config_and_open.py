@@ -16,7 +16,7 @@ import pytest
 import torch
 from kvhelpers import CHUNK, TAIL, config, make_kv, namespace, open_cache, same_bits, tokens
 
-from kvtier import CacheConfig, ChunkStore, KVCache
+from kvtier import CacheConfig, ChunkStore, KVCache, Namespace, RequestExtras
 from kvtier.backends import MARKER, StoreLock, stored_config
 from kvtier.errors import ConfigError, StoreError, StoreFormatError
 
@@ -451,6 +451,55 @@ def test_paths_that_cannot_be_a_store_are_config_errors(tmp_path: Path) -> None:
     (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
     with pytest.raises(ConfigError, match="symbolic link to nothing"):
         CacheConfig(path=tmp_path / "dangling")
+
+
+_NS = {"model": "m", "weights_fingerprint": "sha256:0123", "dtype": "bfloat16", "kv_shape": (2, 2, 4, 32),
+       "chunk_tokens": CHUNK}
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    ({"model": None}, TypeError, "model must be a non-empty string, got None"),
+    ({"weights_fingerprint": ""}, TypeError, "never keyed by a model's name alone"),
+    ({"chunk_tokens": str(CHUNK)}, TypeError, f"chunk_tokens must be an integer, got '{CHUNK}'"),
+    ({"chunk_tokens": 0}, ValueError, "chunk_tokens must be 1 or more"),
+    ({"tp_size": True}, TypeError, "tp_size must be an integer"),
+    ({"kv_shape": (2.5, 2, 4, 32)}, ValueError, r"kv_shape must be \(layers, 2, kv_heads, head_dim\), integers"),
+    ({"kv_shape": (2, 3, 4, 32)}, ValueError, "kv_shape must be"),
+    ({"extra": (("lora_rank", 8),)}, TypeError, "extra must be \\(name, value\\) pairs of strings"),
+    ({"extra": (("a", "1"), ("a", "2"))}, ValueError, "extra names a setting twice"),
+    ({"tp_rank": 2, "tp_size": 2}, ValueError, "tp_rank 2 must be in"),
+])
+def test_a_namespace_refuses_what_would_key_kv_wrongly(change: dict[str, Any], error: type, message: str) -> None:
+    """A namespace is checked when built: a chunk size of "256" keyed KV under a namespace
+    no server could name (and failed later with "namespace says 256, store config says
+    256"), an empty fingerprint keyed KV by the model's name alone, a kv_shape of 2.5 was
+    truncated to 2."""
+    with pytest.raises(error, match=message):
+        Namespace(**{**_NS, **change})
+
+
+def test_a_namespace_takes_what_users_have_at_hand_with_the_same_keys() -> None:
+    """A torch dtype, numpy integers, a list or an array for the shape and a dict for
+    ``extra`` name the same namespace as the canonical values (the same keys, so stores stay
+    shared)."""
+    canonical = Namespace(**{**_NS, "extra": (("a", "1"), ("b", "2"))})
+    for change in ({"dtype": torch.bfloat16}, {"chunk_tokens": np.int64(CHUNK)},
+                   {"kv_shape": [2, 2, 4, 32]}, {"kv_shape": np.array([2, 2, 4, 32])}):
+        ns = Namespace(**{**_NS, "extra": {"b": "2", "a": "1"}, **change})
+        assert ns.id == canonical.id and ns == canonical
+
+
+@pytest.mark.parametrize(("extras", "message"), [
+    ({"cache_salt": 5}, "cache_salt must be a string or None, got 5"),
+    ({"lora": 1}, "lora must be a string or None"),
+    ({"mm_hashes": ["abc"]}, "mm_hashes must be \\(content hash, token offset\\) pairs"),
+    ({"mm_hashes": [("h", -1)]}, "an integer of 0 or more"),
+])
+def test_request_extras_refuse_what_would_key_kv_wrongly(extras: dict[str, Any], message: str) -> None:
+    """A salt of 5 keyed apart from "5"; mm_hashes=["abc"] keyed as three one-letter hashes."""
+    with pytest.raises(TypeError, match=message):
+        RequestExtras(**extras)
+    assert RequestExtras(mm_hashes=[["h", np.int64(3)]]) == RequestExtras(mm_hashes=(("h", 3),))
 
 
 def test_misused_arguments_say_what_to_give(tmp_path: Path) -> None:
