@@ -130,6 +130,7 @@ class KVCache:
         instead, so an offline caller can save a prompt larger than the queue.
         """
         self._open_for("save", writes=True)
+        _check_seconds(wait, "save(wait=...)")
         arr = as_token_array(tokens)
         self._check_kv(kv, len(arr))
         kv = kv.detach().cpu()
@@ -204,6 +205,8 @@ class KVCache:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued saves are on the persistent tier."""
         self._open_for("flush")
+        if timeout is not None:
+            _check_seconds(timeout, "flush(timeout)")
         return self.store.flush(timeout)
 
     def stats(self) -> dict[str, object]:
@@ -220,6 +223,9 @@ class KVCache:
         self.close()
 
     def _check_kv(self, kv: torch.Tensor, n_tokens: int) -> None:
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}"
+                            + (" (torch.from_numpy(kv) makes one)" if isinstance(kv, np.ndarray) else ""))
         layers, two, heads, dim = self.namespace.kv_shape
         want = (layers, two, n_tokens, heads, dim)
         if tuple(kv.shape) != want:
@@ -228,6 +234,11 @@ class KVCache:
             raise ValueError(f"kv dtype {kv.dtype} differs from the namespace's {self.namespace.dtype}")
         if kv.device.type == "meta":
             raise ValueError("kv is on the meta device: it has no values to save")
+
+
+def _check_seconds(value: object, call: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) or not value >= 0:
+        raise ValueError(f"{call}: must be a number of seconds, 0 or more, got {value!r}")
 
 
 def _check_namespace(namespace: object, call: str) -> None:

@@ -512,6 +512,12 @@ def test_misused_arguments_say_what_to_give(tmp_path: Path) -> None:
                 cache.load(toks, max_tokens=bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="meta device"):
             cache.save(toks, make_kv(toks).to("meta"))
+        with pytest.raises(TypeError, match=r"kv must be a torch.Tensor, got ndarray \(torch.from_numpy"):
+            cache.save(toks, make_kv(toks).float().numpy())  # (with a float32 namespace: "float32 differs from float32")
+        for call in (lambda: cache.save(toks, make_kv(toks), wait="5"), lambda: cache.flush(-1.0),
+                     lambda: cache.flush(float("nan"))):
+            with pytest.raises(ValueError, match="must be a number of seconds, 0 or more"):
+                call()
     with pytest.raises(ConfigError, match="setting names are strings, got 5"):
         CacheConfig.from_dict({5: 1})  # type: ignore[dict-item]
     # the constructors' arguments, given as what a user might have at hand (a path, a dict, a
