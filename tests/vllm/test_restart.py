@@ -116,3 +116,33 @@ def test_a_loads_lease_ends_when_the_load_is_done(tiny_model: Path, store_dir: P
             engine.abort_request(["r"])
             e.generate([tokens(300, seed=41)], max_tokens=1)  # ends with a lookup, a miss
             assert _leased(e) == 0
+
+
+def test_two_requests_loading_one_prompt_leave_nothing_leased(tiny_model: Path, store_dir: Path) -> None:
+    """Two requests for one cached prompt, scheduled together, each lease its chunks for
+    their loads: once both loads are done, nothing is leased (when the first to lease
+    finished first, the chunks stayed leased until its lease's end, up to 120 s)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    p = tokens(600, seed=42)
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        e.generate([p], max_tokens=2)
+        e.worker_connector._store.flush()
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        engine = e.llm.llm_engine
+        for rid in ("a", "b"):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=p),
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, detokenize=False))
+        leases_taken = 0
+        steps = 0
+        while True:
+            leases_taken = max(leases_taken, len(e.scheduler_connector._sched._leases))
+            outs = engine.step()
+            if sum(len(o.outputs[0].token_ids) >= 4 for o in outs) == 2:
+                break
+            steps += 1
+            assert steps < 60
+        assert leases_taken == 2, "both requests were to load from the store"
+        assert _leased(e) == 0, "two finished loads of one prompt still hold a lease"
+        engine.abort_request(["a", "b"])
