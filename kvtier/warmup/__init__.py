@@ -19,6 +19,7 @@ writes where and how the server reads. Two engines compute the KV:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,9 +67,20 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
     if engine not in ENGINES:
         raise ConfigError(f"engine: must be one of {', '.join(ENGINES)}, got {engine!r}")
     positive_int("block_size", block_size)
+    for name, value in (("config", config), ("engine_args", engine_args)):
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"warmup({name}=...): expected a dict of settings, got {type(value).__name__}")
     errors: list[PromptError] = []
-    if not isinstance(prompts, list):
+    if isinstance(prompts, list):
+        odd = next((p for p in prompts if not isinstance(p, Prompt)), None)
+        if odd is not None:
+            raise TypeError(f"warmup(prompts=[...]): expected kvtier.warmup.Prompt(text=...) or "
+                            f"Prompt(token_ids=[...]) items, got {type(odd).__name__}")
+    elif isinstance(prompts, str | os.PathLike):
         prompts, errors = read_prompts(prompts)
+    else:
+        raise TypeError(f"warmup(prompts=...): expected the path of a prompts file (JSON Lines) or a list of "
+                        f"kvtier.warmup.Prompt, got {type(prompts).__name__}")
     config = with_store_settings(config, model)
     settings = ConnectorSettings.from_extra_config(config)
     if settings.cache.chunk_tokens % block_size:

@@ -423,3 +423,19 @@ def test_unusable_inputs_are_one_clear_error_line(tiny_model: Path, tmp_path: Pa
         assert line.endswith("give the prompts as prompt_token_ids instead, or add the tokenizer files")
     if case == "empty model dir":
         assert line.endswith("pass the directory the server loads (with its config.json and weights)")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"prompts": 5}, r"prompts=...\): expected the path of a prompts file \(JSON Lines\) or a list of "
+                     r"kvtier.warmup.Prompt, got int"),
+    ({"prompts": ["hello"]}, r"expected kvtier.warmup.Prompt\(text=...\) or Prompt\(token_ids=\[...\]\) items, got str"),
+    ({"prompts": [], "config": ["path"]}, r"warmup\(config=...\): expected a dict of settings, got list"),
+    ({"prompts": [], "engine_args": "max_model_len=8"}, r"warmup\(engine_args=...\): expected a dict of settings"),
+])
+def test_library_warmup_arguments_of_the_wrong_type_say_what_to_give(tmp_path: Path, kwargs: dict,
+                                                                     message: str) -> None:
+    """Before any model is read: a list of strings (not Prompts) and a list for ``config``
+    failed deep inside ("cannot convert dictionary update sequence element #0")."""
+    with pytest.raises(TypeError, match=message):
+        warmup(str(tmp_path / "no-model"), **kwargs)
+    assert not any(tmp_path.iterdir())  # nothing was created
