@@ -30,6 +30,10 @@ class Prompt:
     def __post_init__(self) -> None:
         if (self.text is None) == (self.token_ids is None):
             raise ValueError("Prompt: give exactly one of text and token_ids")
+        for name in ("text", "cache_salt"):  # (as a prompts file's line is checked)
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"Prompt: {name} must be a non-empty string, got {value!r}")
         if self.token_ids is not None:  # (a list is fine; kept as a tuple) checked as a save would
             object.__setattr__(self, "token_ids", tuple(int(t) for t in as_token_array(self.token_ids)))
 

@@ -11,7 +11,7 @@ import pytest
 from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
-from kvtier.warmup import warmup
+from kvtier.warmup import Prompt, warmup
 
 PROMPTS = [tokens(600, seed=300), tokens(300, seed=301)]
 # What the test engines use (kvtier.testing.engine): the server's settings for warm-up.
@@ -75,7 +75,6 @@ def test_warmup_again_stores_nothing_and_computes_nothing(tiny_model: Path, tmp_
 
     monkeypatch.setattr(hf_engine.HFModel, "kv", no_forward)
     # the same prompts made in code (the library's form) are the same chunks
-    from kvtier.warmup import Prompt
 
     again = warmup(str(tiny_model), [Prompt(token_ids=p) for p in PROMPTS], engine="transformers",
                    config={"path": str(store)}, block_size=32, **F32)
@@ -439,3 +438,7 @@ def test_library_warmup_arguments_of_the_wrong_type_say_what_to_give(tmp_path: P
     with pytest.raises(TypeError, match=message):
         warmup(str(tmp_path / "no-model"), **kwargs)
     assert not any(tmp_path.iterdir())  # nothing was created
+    with pytest.raises(ValueError, match="Prompt: cache_salt must be a non-empty string, got 5"):
+        Prompt(token_ids=[1, 2], cache_salt=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Prompt: text must be a non-empty string, got ''"):
+        Prompt(text="")
