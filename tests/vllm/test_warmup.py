@@ -75,7 +75,6 @@ def test_warmup_again_stores_nothing_and_computes_nothing(tiny_model: Path, tmp_
 
     monkeypatch.setattr(hf_engine.HFModel, "kv", no_forward)
     # the same prompts made in code (the library's form) are the same chunks
-
     again = warmup(str(tiny_model), [Prompt(token_ids=p) for p in PROMPTS], engine="transformers",
                    config={"path": str(store)}, block_size=32, **F32)
     assert again.errors == [] and again.prompts == 2 and again.chunks_stored == 0
