@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvtier.codec import DTYPE_CODES, dtype_name
-from kvtier.config import CacheConfig
+from kvtier.config import CacheConfig, seconds
 from kvtier.errors import ConfigError, StoreError
 from kvtier.keys import (
     NO_EXTRAS,
@@ -130,7 +130,7 @@ class KVCache:
         instead, so an offline caller can save a prompt larger than the queue.
         """
         self._open_for("save", writes=True)
-        _check_seconds(wait, "save(wait=...)")
+        seconds("save(wait=...)", wait)
         arr = as_token_array(tokens)
         self._check_kv(kv, len(arr))
         kv = kv.detach().cpu()
@@ -206,7 +206,7 @@ class KVCache:
         """Wait until queued saves are on the persistent tier."""
         self._open_for("flush")
         if timeout is not None:
-            _check_seconds(timeout, "flush(timeout)")
+            seconds("flush(timeout)", timeout)
         return self.store.flush(timeout)
 
     def stats(self) -> dict[str, object]:
@@ -234,11 +234,6 @@ class KVCache:
             raise ValueError(f"kv dtype {kv.dtype} differs from the namespace's {self.namespace.dtype}")
         if kv.device.type == "meta":
             raise ValueError("kv is on the meta device: it has no values to save")
-
-
-def _check_seconds(value: object, call: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) or not value >= 0:
-        raise ValueError(f"{call}: must be a number of seconds, 0 or more, got {value!r}")
 
 
 def _check_namespace(namespace: object, call: str) -> None:

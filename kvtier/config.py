@@ -250,6 +250,12 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
+def seconds(name: str, value: object) -> None:
+    """A number of seconds, 0 or more (a call's wait or timeout)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"{name}: must be a number of seconds, 0 or more, got {value!r}")
+
+
 def positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name}: must be a positive integer, got {value!r}")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier import codec
+from kvtier.config import seconds
 from kvtier.errors import ConfigError, RecordError, RecordTooLarge
 from kvtier.remote.nodes import NodeUnavailable
 from kvtier.remote.tier import MAX_VALUE_BYTES, DamagedRemoteRecord, RemoteRefused, is_refusal
@@ -66,7 +67,10 @@ class KVPipe:
                  timeout_s: float = 5.0, max_tensor_bytes: int = 1 << 30,
                  skip_after_s: float = 5.0, password: str | None = None,
                  tls_ca: str | None = None) -> None:
-        if not name or "/" in name or "\0" in name:
+        if not isinstance(where, str | os.PathLike):
+            raise TypeError(f"KVPipe(where, name): where must be a redis:// address or a directory path, "
+                            f"got {type(where).__name__}")
+        if not isinstance(name, str) or not name or "/" in name or "\0" in name:
             raise ConfigError(f"pipe name {name!r}: must be non-empty, without '/' or NUL")
         if skip_after_s < 0:
             raise ConfigError(f"skip_after_s {skip_after_s}: must be >= 0")
@@ -95,6 +99,10 @@ class KVPipe:
     def send_tensor(self, tensor: torch.Tensor | None, tensor_key: str = "") -> None:
         """Queue ``tensor`` (or None) for the consumer; returns once it is stored."""
         self._check_open()
+        import torch  # (lazily: kvtier imports without torch)
+
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"kvtier pipe: send_tensor takes a torch.Tensor or None, got {type(tensor).__name__}")
         if tensor is None:
             header, payload = _NONE, memoryview(b"")
         else:  # a tensor kvtier cannot store fails here, before it takes a place in the order
@@ -130,6 +138,8 @@ class KVPipe:
         once. A damaged message is consumed and raises :class:`RecordError` once, one over
         ``max_tensor_bytes`` :class:`RecordTooLarge`; the next receive gets the next one."""
         self._check_open()
+        if timeout is not None:
+            seconds("recv_tensor(timeout)", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if tensor_key:

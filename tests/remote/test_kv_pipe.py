@@ -79,6 +79,19 @@ def test_bad_pipe_names_and_places(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(ConfigError, match="not a directory"):
         KVPipe(tmp_path / "f", "p")
+    # arguments of the wrong type say what to give (they failed deep inside: "argument of
+    # type 'int' is not iterable", "'list' object has no attribute 'detach'")
+    with pytest.raises(ConfigError, match="pipe name 5: must be non-empty"):
+        KVPipe(tmp_path, 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="where must be a redis:// address or a directory path, got int"):
+        KVPipe(5, "p")  # type: ignore[arg-type]
+    with KVPipe(tmp_path, "p") as p:
+        with pytest.raises(TypeError, match="send_tensor takes a torch.Tensor or None, got list"):
+            p.send_tensor([1, 2])  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"recv_tensor\(timeout\): must be a number of seconds, 0 or more"):
+            p.recv_tensor(timeout="1")  # type: ignore[arg-type]
+        p.send_tensor(torch.ones(2))  # nothing above took a place in the order
+        assert p.recv_tensor(timeout=2).tolist() == [1.0, 1.0]
 
 
 def test_a_failed_send_does_not_stall_the_fifo(tmp_path: Path) -> None:
