@@ -45,6 +45,7 @@ from kvtier.errors import (
     StoreError,
 )
 from kvtier.host_tier import HostTier
+from kvtier.keys import KEY_BYTES, NAMESPACE_ID_BYTES
 from kvtier.metrics import Counters
 from kvtier.remote import RemoteTier, open_remote
 
@@ -90,6 +91,11 @@ class _Pending:
 
 
 _LIVE_STORES: weakref.WeakSet[ChunkStore] = weakref.WeakSet()
+
+
+def _kind_of(value: object) -> str:
+    """An argument as an error message shows it: its type, and the length of bytes."""
+    return f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
 
 
 def _stores_after_fork_in_child() -> None:
@@ -268,6 +274,14 @@ class ChunkStore:
         """
         if self.readonly:
             raise RuntimeError("store opened read-only")
+        # (a bad key would sit in the host tier, then fail in the writer, logged, far from here)
+        for name, value, size in (("key", key, KEY_BYTES), ("namespace_id", namespace_id, NAMESPACE_ID_BYTES),
+                                  ("group", group, KEY_BYTES), ("parent", parent, KEY_BYTES),
+                                  ("head", head, KEY_BYTES)):
+            if value is not None and (not isinstance(value, bytes) or len(value) != size):
+                raise TypeError(f"put: {name} must be {size} bytes, got {_kind_of(value)}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"put: tensor must be a torch.Tensor, got {type(tensor).__name__}")
         item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head,
                         _from_remote, ready, replace)
         if item.nbytes > self.config.max_record_bytes:  # no process with this limit could load it
@@ -582,6 +596,8 @@ class ChunkStore:
         :meth:`get` says, is read-only without ``out``). With
         ``out_is_scratch``, ``out`` may be written before the record is verified (its contents
         are unspecified unless the outcome is a hit), which saves a copy of the record."""
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise TypeError(f"load: key must be {KEY_BYTES} bytes, got {_kind_of(key)}")
         t = self.host.get(key)
         if t is None:
             pending = self._pending.get(key)

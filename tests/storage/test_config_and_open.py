@@ -534,6 +534,20 @@ def test_misused_arguments_say_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"config must be a kvtier.CacheConfig, got dict"):
         KVCache.open(store, ns, {"chunk_tokens": CHUNK})  # type: ignore[arg-type]
     assert not store.exists()  # nothing was created on the way
-    with ChunkStore(CacheConfig(path=store, chunk_tokens=CHUNK)) as opened, pytest.raises(
-            TypeError, match=r"KVCache\(store, namespace\): namespace must be a kvtier.Namespace"):
-        KVCache(opened, "llama")  # type: ignore[arg-type]
+    with ChunkStore(CacheConfig(path=store, chunk_tokens=CHUNK)) as opened:
+        with pytest.raises(TypeError, match=r"KVCache\(store, namespace\): namespace must be a kvtier.Namespace"):
+            KVCache(opened, "llama")  # type: ignore[arg-type]
+        # ChunkStore's own calls: a key of the wrong kind was queued and kept in the host tier
+        # (a load of it hit there), then failed in the writer thread, logged far from the call
+        kv, ns_id = make_kv(tokens(2, CHUNK)), namespace().id
+        for kwargs, message in (({"key": "abc"}, "put: key must be 32 bytes, got str"),
+                                ({"key": b"abc"}, "put: key must be 32 bytes, got 3 bytes"),
+                                ({"namespace_id": "x"}, "put: namespace_id must be 16 bytes, got str"),
+                                ({"parent": b"p"}, "put: parent must be 32 bytes, got 1 bytes"),
+                                ({"tensor": [1, 2]}, "put: tensor must be a torch.Tensor, got list")):
+            with pytest.raises(TypeError, match=message):
+                opened.put(**{"key": b"k" * 32, "tensor": kv, "namespace_id": ns_id, "token_start": 0,
+                              "num_tokens": CHUNK, **kwargs})
+        with pytest.raises(TypeError, match="load: key must be 32 bytes, got str"):
+            opened.load("abc")  # type: ignore[arg-type]
+        assert opened.stats()["saves_queued"] == 0 and opened.stats()["host_chunks"] == 0
