@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,9 +253,10 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 def seconds(name: str, value: object) -> None:
-    """A number of seconds, 0 or more (a call's wait or timeout)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ConfigError(f"{name}: must be a number of seconds, 0 or more, got {value!r}")
+    """A number of seconds (a call's wait or timeout; numpy's too). One below 0 is a time
+    already past, as in ``flush(deadline - now)``: no wait."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ConfigError(f"{name}: must be a number of seconds, got {value!r}")
 
 
 def positive_int(name: str, value: object) -> None:

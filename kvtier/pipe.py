@@ -99,10 +99,11 @@ class KVPipe:
     def send_tensor(self, tensor: torch.Tensor | None, tensor_key: str = "") -> None:
         """Queue ``tensor`` (or None) for the consumer; returns once it is stored."""
         self._check_open()
-        import torch  # (lazily: kvtier imports without torch)
+        if tensor is not None:
+            import torch  # (lazily: kvtier imports without torch)
 
-        if tensor is not None and not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"kvtier pipe: send_tensor takes a torch.Tensor or None, got {type(tensor).__name__}")
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"kvtier pipe: send_tensor takes a torch.Tensor or None, got {type(tensor).__name__}")
         if tensor is None:
             header, payload = _NONE, memoryview(b"")
         else:  # a tensor kvtier cannot store fails here, before it takes a place in the order

@@ -459,6 +459,10 @@ class StoreIndex:
                 if e is None:
                     continue
                 if until > now:  # (a lease of no time holds nothing)
+                    if e.lease_until_ns > max([now, *self._lease_ends(txn, k)]):
+                        # a lease no row lists (an older kvtier's): listed now, with token 0,
+                        # so that ending this one leaves it to run to its own end
+                        txn.put(k, _LEASE.pack(e.lease_until_ns, 0), db=self._leases)
                     txn.put(k, _LEASE.pack(until, token), db=self._leases)
                     held[k] = (until, token)
                 self._restamp(txn, e, replace(e, atime_ns=max(now, e.atime_ns),
@@ -469,7 +473,8 @@ class StoreIndex:
         """End a lease once its load is done. Each key stays leased until the longest of the
         leases other holders still have on it, or is free now if none has; expired holders'
         rows go on the way. A lease the ``leases`` database does not list (taken by a kvtier
-        before it existed) runs to its own end."""
+        before it existed) runs to its own end: :meth:`lease` lists one it finds, and one
+        taken since is longer than every row."""
         now = time.time_ns()
         with self._write() as txn:
             for k, (until, token) in held.items():
@@ -487,6 +492,9 @@ class StoreIndex:
                 rest = max((u for u, t in rows if u > now and (u, t) != (until, token)), default=0)
                 if rest != e.lease_until_ns:
                     self._restamp(txn, e, replace(e, lease_until_ns=rest))
+
+    def _lease_ends(self, txn: lmdb.Transaction, key: bytes) -> list[int]:
+        return [_LEASE.unpack(v)[0] for v in self._dups(txn, self._leases, key) if len(v) == _LEASE.size]
 
     def evict(self, target_bytes: int) -> list[EntryInfo]:
         """Evict until at most ``target_bytes`` are occupied; the evicted entries."""

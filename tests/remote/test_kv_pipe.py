@@ -88,7 +88,7 @@ def test_bad_pipe_names_and_places(tmp_path: Path) -> None:
     with KVPipe(tmp_path, "p") as p:
         with pytest.raises(TypeError, match="send_tensor takes a torch.Tensor or None, got list"):
             p.send_tensor([1, 2])  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match=r"recv_tensor\(timeout\): must be a number of seconds, 0 or more"):
+        with pytest.raises(ConfigError, match=r"recv_tensor\(timeout\): must be a number of seconds, got '1'"):
             p.recv_tensor(timeout="1")  # type: ignore[arg-type]
         p.send_tensor(torch.ones(2))  # nothing above took a place in the order
         assert p.recv_tensor(timeout=2).tolist() == [1.0, 1.0]

@@ -514,10 +514,11 @@ def test_misused_arguments_say_what_to_give(tmp_path: Path) -> None:
             cache.save(toks, make_kv(toks).to("meta"))
         with pytest.raises(TypeError, match=r"kv must be a torch.Tensor, got ndarray \(torch.from_numpy"):
             cache.save(toks, make_kv(toks).float().numpy())  # (with a float32 namespace: "float32 differs from float32")
-        for call in (lambda: cache.save(toks, make_kv(toks), wait="5"), lambda: cache.flush(-1.0),
-                     lambda: cache.flush(float("nan"))):
-            with pytest.raises(ValueError, match="must be a number of seconds, 0 or more"):
+        for call in (lambda: cache.save(toks, make_kv(toks), wait="5"), lambda: cache.flush(float("nan"))):
+            with pytest.raises(ValueError, match="must be a number of seconds, got"):
                 call()
+        # a time already past (flush(deadline - now)) waits not at all; numpy's numbers are numbers
+        assert cache.flush(-1.0) in (True, False) and cache.flush(np.float32(5)) is True
     with pytest.raises(ConfigError, match="setting names are strings, got 5"):
         CacheConfig.from_dict({5: 1})  # type: ignore[dict-item]
     # the constructors' arguments, given as what a user might have at hand (a path, a dict, a

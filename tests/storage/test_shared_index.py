@@ -272,6 +272,14 @@ def test_an_index_from_before_the_leases_database_opens_and_leases(tmp_path: Pat
         assert _lease_rows(b) == 1
         b.release(held)
         assert b.lookup(keys[-1]).lease_until_ns == 0
+        # an older kvtier's lease (the entry's time, no row; here 100 s) outlives the release
+        # of a newer, longer one taken after it, and of a shorter one
+        k, old_until = keys[-1], time.time_ns() + 100 * 10**9
+        with b.index.env.txn(write=True) as txn:
+            txn.put(k, dataclasses.replace(b.lookup(k), lease_until_ns=old_until).pack(), db=b.index._entries)
+        for seconds in (120.0, 30.0):
+            b.release(b.lease([k], seconds))
+            assert b.lookup(k).lease_until_ns == old_until, seconds
 
 
 def _lease_rows(backend: Backend) -> int:

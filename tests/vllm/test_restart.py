@@ -131,18 +131,25 @@ def test_two_requests_loading_one_prompt_leave_nothing_leased(tiny_model: Path, 
         e.worker_connector._store.flush()
     with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
         engine = e.llm.llm_engine
+        store = e.scheduler_connector._sched.store
+        taken, lease = [], store.lease
+
+        def counted(keys: list[bytes], seconds: float) -> dict:  # (calls the real lease)
+            held = lease(keys, seconds)
+            taken.append(held)
+            return held
+
+        store.lease = counted
         for rid in ("a", "b"):
             engine.add_request(rid, TokensPrompt(prompt_token_ids=p),
                                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, detokenize=False))
-        leases_taken = 0
         steps = 0
         while True:
-            leases_taken = max(leases_taken, len(e.scheduler_connector._sched._leases))
             outs = engine.step()
             if sum(len(o.outputs[0].token_ids) >= 4 for o in outs) == 2:
                 break
             steps += 1
             assert steps < 60
-        assert leases_taken == 2, "both requests were to load from the store"
+        assert len(taken) == 2 and all(taken), "both requests were to load from the store"
         assert _leased(e) == 0, "two finished loads of one prompt still hold a lease"
         engine.abort_request(["a", "b"])
