@@ -35,6 +35,7 @@ from kvtier.keys import (
     as_token_array,
     chain_seed,
     chunk_keys,
+    is_integer,
     match_prefix,
     ranked_chunk_keys,
 )
@@ -173,8 +174,7 @@ class KVCache:
         sizes changed: copy it instead).
         """
         self._open_for("load")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer)
-                                       or max_tokens < 0):
+        if max_tokens is not None and (not is_integer(max_tokens) or max_tokens < 0):
             raise ValueError(f"max_tokens must be an integer, 0 or more, got {max_tokens!r}")
         hits = self.match(tokens, extras)
         if max_tokens is not None:

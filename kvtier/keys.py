@@ -59,14 +59,14 @@ class Namespace:
                                    "by a model's name alone)" if name == "weights_fingerprint" else ""))
         for name in ("chunk_tokens", "tp_rank", "tp_size", "format_version"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_integer(value):
                 raise TypeError(f"Namespace: {name} must be an integer, got {value!r}")
             object.__setattr__(self, name, int(value))
         try:
             shape = tuple(self.kv_shape)
         except TypeError:  # (not iterable)
             shape = ()
-        if len(shape) != 4 or not all(_is_int(d) for d in shape) or shape[1] != 2 or min(shape) <= 0:
+        if len(shape) != 4 or not all(is_integer(d) for d in shape) or shape[1] != 2 or min(shape) <= 0:
             raise ValueError(f"kv_shape must be (layers, 2, kv_heads, head_dim), integers, got {self.kv_shape!r}")
         object.__setattr__(self, "kv_shape", tuple(int(d) for d in shape))
         if self.chunk_tokens <= 0:
@@ -120,7 +120,7 @@ class RequestExtras:
             mm = tuple((h, o) for h, o in self.mm_hashes)
         except (TypeError, ValueError):
             mm = None
-        if mm is None or not all(isinstance(h, str) and h and _is_int(o) and o >= 0 for h, o in mm):
+        if mm is None or not all(isinstance(h, str) and h and is_integer(o) and o >= 0 for h, o in mm):
             raise TypeError("RequestExtras: mm_hashes must be (content hash, token offset) pairs: a non-empty "
                             f"string and an integer of 0 or more, got {self.mm_hashes!r}")
         object.__setattr__(self, "mm_hashes", tuple((h, int(o)) for h, o in mm))
@@ -136,7 +136,8 @@ class RequestExtras:
 NO_EXTRAS = RequestExtras()
 
 
-def _is_int(value: object) -> bool:
+def is_integer(value: object) -> bool:
+    """An integer, Python's or numpy's, and not a bool."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
@@ -192,7 +193,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.floor(arr))):
             raise ValueError("token ids must be integers, got fractional values")  # (0.5 would key as 0)
         if arr.dtype.kind == "O":  # (Decimal("0.5") would key as 0)
-            odd = next((t for t in arr if not _is_int(t)), None)
+            odd = next((t for t in arr if not is_integer(t)), None)
             if odd is not None:
                 raise ValueError(f"token ids must be integers, got {type(odd).__name__} values")
         try:  # in range before the cast, which would wrap what is not (ints beyond int64: object)

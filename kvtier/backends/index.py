@@ -459,7 +459,7 @@ class StoreIndex:
                 if e is None:
                     continue
                 if until > now:  # (a lease of no time holds nothing)
-                    if e.lease_until_ns > max([now, *self._lease_ends(txn, k)]):
+                    if e.lease_until_ns > max([now, *(u for _, (u, _) in self._holders(txn, k))]):
                         # a lease no row lists (an older kvtier's): listed now, with token 0,
                         # so that ending this one leaves it to run to its own end
                         txn.put(k, _LEASE.pack(e.lease_until_ns, 0), db=self._leases)
@@ -478,23 +478,24 @@ class StoreIndex:
         now = time.time_ns()
         with self._write() as txn:
             for k, (until, token) in held.items():
-                rows = []
-                for raw in self._dups(txn, self._leases, k):
-                    row = _LEASE.unpack(raw) if len(raw) == _LEASE.size else (0, 0)  # (0: damaged)
+                others = []  # the other holders' lease ends, still to come
+                for raw, row in self._holders(txn, k):
                     if row == (until, token) or row[0] <= now:
                         txn.delete(k, raw, db=self._leases)
                     else:
-                        rows.append(row)
-                rows.append((until, token))  # (what the entry's lease may still be, if no row said it)
+                        others.append(row[0])
                 e = self._get(txn, k)
-                if e is None or e.lease_until_ns > max((u for u, _ in rows), default=0):
+                if e is None or e.lease_until_ns > max([until, *others]):  # (a lease no row lists)
                     continue
-                rest = max((u for u, t in rows if u > now and (u, t) != (until, token)), default=0)
+                rest = max(others, default=0)
                 if rest != e.lease_until_ns:
                     self._restamp(txn, e, replace(e, lease_until_ns=rest))
 
-    def _lease_ends(self, txn: lmdb.Transaction, key: bytes) -> list[int]:
-        return [_LEASE.unpack(v)[0] for v in self._dups(txn, self._leases, key) if len(v) == _LEASE.size]
+    def _holders(self, txn: lmdb.Transaction, key: bytes) -> list[tuple[bytes, tuple[int, int]]]:
+        """The key's rows in ``leases``: each as stored and as (end ns, token); a damaged
+        one reads (0, 0), ended."""
+        return [(raw, _LEASE.unpack(raw) if len(raw) == _LEASE.size else (0, 0))
+                for raw in self._dups(txn, self._leases, key)]
 
     def evict(self, target_bytes: int) -> list[EntryInfo]:
         """Evict until at most ``target_bytes`` are occupied; the evicted entries."""
