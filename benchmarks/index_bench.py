@@ -14,7 +14,10 @@
    keys looked up one by one by key (``present_prefix``: the random-access path), then the
    median of repeated chain lookups (warm). The SHA-256 chain over the prompt's tokens
    (``kvtier.keys``), computed once when a request arrives, is timed beside it.
-2. Budget: four writer processes (two servers x two tensor-parallel ranks) save into one
+2. Tail lookups: a prompt whose full chunks are stored and whose trailing partial chunk is
+   not, looked up at block sizes 16 and 64 (every tail length, 16 tokens apart, is tried in
+   one index read), beside the same prompt cut at its last chunk boundary.
+3. Budget: four writer processes (two servers x two tensor-parallel ranks) save into one
    ``files`` store with a small ``disk_bytes`` while a sampler reads what the index
    publishes and what the record files take on disk; reports the highest of each as a
    ratio to the budget.
@@ -113,6 +116,38 @@ def chain_hash(runs: int) -> float:
         chunk_keys(toks, b"\0" * 32, 256, None)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def tail_lookups(runs: int) -> dict[str, float]:
+    """Median seconds of ``KVCache.lookup`` of a 4,095-token prompt whose 15 full chunks are
+    stored and whose tail is not (a miss after the full chunks: every tail length is tried),
+    by block size, beside the same prompt cut at its last chunk boundary (no tail to try)."""
+    import numpy as np
+    import torch
+
+    from kvtier import CacheConfig, KVCache, Namespace
+
+    ns = Namespace(model="bench", weights_fingerprint="bench", dtype="bfloat16", kv_shape=(2, 2, 2, 16),
+                   chunk_tokens=256)
+    toks = np.random.default_rng(0).integers(0, 32000, 4095).astype(np.uint32)
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as d:
+        cfg = CacheConfig(path=Path(d), chunk_tokens=256, backend="files")
+        with KVCache.open(d, ns, cfg) as cache:
+            cache.save(toks[:3840], torch.zeros(2, 2, 3840, 2, 16, dtype=torch.bfloat16))
+            cache.flush()
+        for name, granularity, prompt in (("no tail", 16, toks[:3840]), ("block 16", 16, toks),
+                                          ("block 64", 64, toks)):
+            with KVCache.open(d, ns, cfg, tail_granularity=granularity, readonly=True) as cache:
+                if cache.lookup(prompt) != 3840:
+                    raise RuntimeError("the stored chunks were not found")
+                times = []
+                for _ in range(runs):
+                    t = time.perf_counter()
+                    cache.lookup(prompt)
+                    times.append(time.perf_counter() - t)
+                out[name] = statistics.median(times)
+    return out
 
 
 def drop_caches() -> bool:
@@ -233,6 +268,13 @@ def main() -> None:
                   f"{'' if cold else ' (WARM)'} | {m['by_key_s'] * 1e3:.2f} ms | {m['warm_median_s'] * 1e3:.3f} ms |",
                   flush=True)
         print(f"\nSHA-256 chain for a 128k-token prompt (512 keys): {chain_hash(20) * 1e3:.2f} ms (median)\n")
+        t = tail_lookups(max(args.runs, 100))
+        print("| lookup of a 4,095-token prompt, tail not stored (`KVCache.lookup`, median) | no tail to try "
+              "(3,840 tokens) | block size 16 | block size 64 |")
+        print("|---|---:|---:|---:|")
+        print(f"| 15 full chunks, then 15 tail lengths in one read | {t['no tail'] * 1e3:.3f} ms | "
+              f"{t['block 16'] * 1e3:.3f} ms ({t['block 16'] / t['no tail']:.2f}x) | "
+              f"{t['block 64'] * 1e3:.3f} ms ({t['block 64'] / t['no tail']:.2f}x) |\n")
         r = budget_run(work, args.budget_mib << 20, 8 << 20, args.prompts)
         print("| writers | disk_bytes | commit_bytes | max published / budget | max record files on disk / budget "
               "| chunks committed | evicted |")

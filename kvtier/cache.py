@@ -116,7 +116,11 @@ class KVCache:
             head = cs[0].keys[0] if cs[0].start == 0 else full[0].keys[0]
             return self.store.count_present_chain(head, [(c.start, c.keys[0]) for c in cs])
 
-        hits = match_prefix(arr, seeds, full, self.namespace.chunk_tokens, self.tail_granularity, present)
+        def present_each(cs: list[RankedChunk]) -> list[bool]:
+            return self.store.present_each([c.keys[0] for c in cs], remote=True)
+
+        hits = match_prefix(arr, seeds, full, self.namespace.chunk_tokens, self.tail_granularity,
+                            present, present_each)
         return [ChunkRef(h.keys[0], h.start, h.end) for h in hits]
 
     # -- operations ----------------------------------------------------------------

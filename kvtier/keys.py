@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,10 @@ import numpy as np
 FORMAT_VERSION = 1
 
 KEY_BYTES = 32
+# A lookup tries trailing partial chunks at multiples of this many tokens (or of the block
+# size, where it is smaller), not only of its own block size: a tail saved by a server with
+# a smaller block size is then found after a restart with a larger one (see tail_lookup_step).
+TAIL_LOOKUP_STEP = 16
 NAMESPACE_ID_BYTES = 16
 _UINT_IS_32 = array.array("I").itemsize == 4
 
@@ -249,15 +254,24 @@ def chunk_keys(
     return refs
 
 
+def tail_lookup_step(granularity: int) -> int:
+    """The step between the tail lengths a lookup tries, for tails saved rounded down to
+    ``granularity`` tokens (vLLM's block size). Finer than the block size where that is over
+    :data:`TAIL_LOOKUP_STEP`: a tail saved at block size 32 (224 tokens) is found by a server
+    restarted at 64, which loads the part of it its blocks hold (192)."""
+    return math.gcd(granularity, TAIL_LOOKUP_STEP)
+
+
 def partial_candidates(
-    tokens: np.ndarray, parent: bytes, start: int, chunk_tokens: int, granularity: int
+    tokens: np.ndarray, parent: bytes, start: int, chunk_tokens: int, step: int
 ) -> list[ChunkRef]:
-    """Partial chunks at ``start``, longest first, that a lookup may find after the last full hit."""
+    """Partial chunks at ``start``, longest first, ``step`` tokens apart, that a lookup may
+    find after the last full hit."""
     avail = min(len(tokens) - start, chunk_tokens - 1)
-    longest = avail // granularity * granularity
+    longest = avail // step * step
     return [
         ChunkRef(child_key(parent, tokens[start : start + n]), start, start + n)
-        for n in range(longest, 0, -granularity)
+        for n in range(longest, 0, -step)
     ]
 
 
@@ -279,20 +293,27 @@ def ranked_chunk_keys(tokens: np.ndarray, seeds: Sequence[bytes], chunk_tokens: 
 
 def match_prefix(tokens: np.ndarray, seeds: Sequence[bytes], full: list[RankedChunk],
                  chunk_tokens: int, granularity: int | None,
-                 present: Callable[[list[RankedChunk]], int]) -> list[RankedChunk]:
+                 present: Callable[[list[RankedChunk]], int],
+                 present_each: Callable[[list[RankedChunk]], list[bool]]) -> list[RankedChunk]:
     """The stored chunks covering the longest cached prefix of ``tokens``.
 
     ``full`` are the sequence's full chunks; ``present`` says how many leading chunks of a
-    list are stored (for every key of each). After the longest run of full chunks, the
-    partial chunks that may follow it are tried longest first (when ``granularity`` is set).
+    list are stored (for every key of each), ``present_each`` whether each chunk of a list is
+    (one read for all). After the longest run of full chunks, the partial chunks that may
+    follow it (when tails are saved rounded to ``granularity``) are looked up together, at
+    every :func:`tail_lookup_step`, and the longest stored one is the last hit. It may end
+    past what a caller with a larger block size can use: that caller loads a part of it.
     """
     hits = full[: present(full)]
     if granularity:
         start = hits[-1].end if hits else 0
         parents = hits[-1].keys if hits else tuple(seeds)
-        per_seed = [partial_candidates(tokens, p, start, chunk_tokens, granularity) for p in parents]
-        for cands in zip(*per_seed, strict=True):
-            cand = RankedChunk(cands[0].start, cands[0].end, tuple(c.key for c in cands))
-            if present([cand]):
-                return [*hits, cand]
+        step = tail_lookup_step(granularity)
+        per_seed = [partial_candidates(tokens, p, start, chunk_tokens, step) for p in parents]
+        cands = [RankedChunk(cs[0].start, cs[0].end, tuple(c.key for c in cs))
+                 for cs in zip(*per_seed, strict=True)]
+        if cands:
+            for cand, there in zip(cands, present_each(cands), strict=True):
+                if there:
+                    return [*hits, cand]
     return hits

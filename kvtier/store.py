@@ -550,16 +550,19 @@ class ChunkStore:
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
         return n
 
-    def present_each(self, keys: Sequence[bytes]) -> list[bool]:
+    def present_each(self, keys: Sequence[bytes], *, remote: bool = False) -> list[bool]:
         """Whether each of ``keys`` is stored or queued to be, in one index read (all False if
-        the index cannot be read: the saves then go ahead; the index keeps the first copy)."""
+        the index cannot be read: the saves then go ahead; the index keeps the first copy).
+        With ``remote``, a key the remote tier holds counts too (one lookup there for the rest),
+        as in :meth:`count_present_chain`."""
         try:
             stored = self.backend.present_each(keys)
         except Exception as exc:
             self.counters.add(io_errors=1)
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
             stored = [False] * len(keys)
-        return [there or k in self._pending for k, there in zip(keys, stored, strict=True)]
+        there = [t or k in self._pending for k, t in zip(keys, stored, strict=True)]
+        return there if not remote or self.remote is None else self.remote.or_present(keys, there)
 
     def queued_each(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each of ``keys`` is queued in this process to be written (memory only:

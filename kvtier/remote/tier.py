@@ -266,23 +266,47 @@ class RemoteTier:
         self.counters.add(remote_corrupt=1)
         self.delete(key, expect=record.manifest)
 
+    def present_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the remote tier holds each of ``keys`` (all False if it cannot say)."""
+        try:
+            return self._present_each(keys)
+        except Exception as exc:
+            self._unexpected("a lookup", exc)
+            return [False] * len(keys)
+
+    def or_present(self, keys: Sequence[bytes], there: list[bool]) -> list[bool]:
+        """``there`` (whether each key is stored locally), with the keys not there looked up
+        here, in one lookup."""
+        missing = [i for i, t in enumerate(there) if not t]
+        if not missing:
+            return there
+        found = self.present_each([keys[i] for i in missing])
+        out = list(there)
+        for i, f in zip(missing, found, strict=True):
+            out[i] = f
+        return out
+
     def _count_present_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the remote tier holds: one command per node (a read-only
-        script that checks them all), or one pipeline of EXISTS where scripts are refused."""
-        if not keys:
-            return 0
+        present = self._present_each(keys)
+        n = 0
+        while n < len(keys) and present[n]:
+            n += 1
+        return n
+
+    def _present_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """One command per node (a read-only script that checks them all), or one pipeline of
+        EXISTS where scripts are refused."""
         names = [chunk_name(k) for k in keys]
         present = [False] * len(keys)
+        if not keys:
+            return present
         try:
             for node, client, idx in self.nodes.route(names):
                 for i, there in zip(idx, self._exists(node, client, [names[i] for i in idx]), strict=True):
                     present[i] = there
         except NodeUnavailable as exc:
             self._unavailable("a lookup", exc)
-        n = 0
-        while n < len(keys) and present[n]:
-            n += 1
-        return n
+        return present
 
     def _exists(self, node: str, client: object, names: list[str]) -> list[bool]:
         if self._scripts:

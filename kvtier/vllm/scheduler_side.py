@@ -128,17 +128,35 @@ class SchedulerSide:
                                                remote=remote)
         return n
 
+    def _present_each(self, chunks: list[RankedChunk]) -> list[bool]:
+        """Whether every rank has stored each of ``chunks`` (here or in the remote tier): one
+        index read per rank."""
+        there = [True] * len(chunks)
+        for rank in range(len(self.namespaces)):
+            ask = [i for i, t in enumerate(there) if t]
+            if not ask:
+                break
+            for i, t in zip(ask, self.store.present_each([chunks[i].keys[rank] for i in ask]), strict=True):
+                there[i] = t
+        return there
+
     def _stored(self, st: _Request, hits: list[RankedChunk]) -> set[tuple[bytes, ...]]:
         """The keys of the ``hits`` this store holds itself: their saves are skipped. (A chunk
-        only the remote tier holds is saved here too, as before a lookup decided it.)"""
+        only the remote tier holds is saved here too, as before a lookup decided it.) So is
+        the request's own tail when a longer stored tail at its start holds its KV (one saved
+        at a smaller block size, before a restart)."""
         if self.store.remote is not None:
             hits = hits[: self._present(st, hits, remote=False)]
-        return {c.keys for c in hits}
+        stored = {c.keys for c in hits}
+        tail = st.to_save[st.n_full:]
+        if hits and tail and hits[-1].start == tail[0].start and hits[-1].end > tail[0].end:
+            stored.add(tail[0].keys)
+        return stored
 
     def _match(self, st: _Request) -> list[RankedChunk]:
         return match_prefix(st.tokens, st.seeds, st.full, self.chunk_tokens,
                             self.block_size if self.save_partial else None,
-                            lambda chunks: self._present(st, chunks))
+                            lambda chunks: self._present(st, chunks), self._present_each)
 
     # -- vLLM calls --------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -161,9 +179,10 @@ class SchedulerSide:
         st.stored = self._stored(st, hits)
         if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses)
             self._uses.extend(c.keys for c in hits if c.end <= num_computed_tokens)
-        # Leave at least one prompt token to compute; stay block aligned.
-        limit = (len(st.tokens) - 1) // self.block_size * self.block_size
-        end = min(hits[-1].end if hits else 0, limit)
+        # Leave at least one prompt token to compute; stay block aligned (a tail saved at a
+        # smaller block size may end inside a block: its whole blocks are loaded).
+        bs = self.block_size
+        end = min(hits[-1].end // bs * bs if hits else 0, (len(st.tokens) - 1) // bs * bs)
         if end <= num_computed_tokens:
             return 0, False
         plan = [(c, min(c.end, end) - c.start) for c in hits if c.end > num_computed_tokens and c.start < end]

@@ -598,3 +598,29 @@ def test_a_chunk_written_while_a_load_misses_it_is_kept(redis_server: LocalRedis
     finally:
         tier.close(0)
         writer.close(0)
+
+
+def test_a_lookup_asks_the_server_once_for_every_tail_length(tmp_path: Path, redis_server: LocalRedis) -> None:
+    """A prompt's trailing partial chunk is looked up at several lengths: one round trip asks
+    for all of them (it was one round trip each, on vLLM's scheduler thread); a tail only
+    the server holds is found among them."""
+    seq = tokens(7, 4 * CHUNK + 30)  # after the full chunks, tails of 24, 16 and 8 tokens are tried
+    c = redis_server.client()
+
+    def lookups() -> int:  # round trips: each runs the lookup script (whose EXISTS count apart)
+        stats = c.info("commandstats")
+        return sum(stats.get(f"cmdstat_{cmd}", {}).get("calls", 0) for cmd in ("evalsha", "eval"))
+
+    with open_cache(tmp_path / "a", redis_server.url) as a:
+        assert a.lookup(seq) == 0  # (the first lookup also sends the script)
+        c.config_resetstat()
+        assert a.lookup(seq) == 0
+        assert lookups() == 2  # the full chunks, then every tail length at once
+        head = seq[: 4 * CHUNK + 20]  # saved with a 16-token tail
+        a.save(head, kv_for(head))
+        assert a.flush(30)
+    with open_cache(tmp_path / "b", redis_server.url) as b:  # an empty local store
+        c.config_resetstat()
+        assert b.lookup(seq) == 4 * CHUNK + 16
+        assert lookups() == 2
+        assert torch.equal(b.load(seq), kv_for(head)[:, :, : 4 * CHUNK + 16])

@@ -115,6 +115,20 @@ def test_prefix_lookups_and_tail(tmp_path: Path, backend: str) -> None:
         check(odd, CHUNK + 8)
 
 
+def test_a_tail_saved_at_a_finer_granularity_is_found_by_a_coarser_reader(tmp_path: Path, backend: str) -> None:
+    """A server restarted with a larger block size still finds the tails the old one saved
+    (lookups try every 16 tokens, not only its own granularity)."""
+    ns = namespace(chunk_tokens=64)
+    toks = tokens(4, 64 + 50)  # a full chunk, then a tail of 50: saved as 48 at granularity 16
+    with open_cache(tmp_path / "s", backend, ns, tail=16) as cache:
+        assert cache.save(toks, make_kv(toks)) == 112
+    with open_cache(tmp_path / "s", backend, ns, tail=32) as cache:
+        assert [c.end for c in cache.chunks(toks)] == [64, 96]  # its own tail would be 32 tokens
+        assert cache.lookup(toks) == 112
+        assert same_bits(cache.load(toks), make_kv(toks[:112]))
+        assert cache.lookup(toks[:100]) == 64  # a tail is found only where its tokens are
+
+
 def test_request_extras_isolate(tmp_path: Path, backend: str) -> None:
     toks = tokens(4, 2 * CHUNK)
     saved = RequestExtras(cache_salt="tenant-a", lora="adapter-1", mm_hashes=(("img:abc", 3),))

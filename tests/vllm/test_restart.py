@@ -153,3 +153,26 @@ def test_two_requests_loading_one_prompt_leave_nothing_leased(tiny_model: Path, 
         assert len(taken) == 2 and all(taken), "both requests were to load from the store"
         assert _leased(e) == 0, "two finished loads of one prompt still hold a lease"
         engine.abort_request(["a", "b"])
+
+
+def test_a_restart_with_a_larger_block_size_loads_the_tails_saved_before(tiny_model: Path, store_dir: Path) -> None:
+    """A prompt's trailing partial chunk is saved rounded down to the saving server's block
+    size. After a restart at a larger block size, the lookup finds that tail (it tries every
+    16 tokens) and loads the whole blocks it holds, with output identical to no cache; no
+    second, shorter copy of the tail is saved."""
+    prompts = [tokens(255, seed=43), tokens(630, seed=44)]  # tails saved at 32: 224 and 512 + 96
+    with Engine(tiny_model, block_size=64) as e:
+        base = e.generate(prompts, max_tokens=6)
+    with Engine(tiny_model, kv_transfer_config(store_dir), block_size=32) as e:
+        e.generate(prompts, max_tokens=2)
+        e.worker_connector._store.flush()
+        records = e.worker_connector._store.stats()["disk_records"]
+    assert records == 4
+    with Engine(tiny_model, kv_transfer_config(store_dir), block_size=64) as e:
+        got = e.generate(prompts, max_tokens=6)
+        e.worker_connector._store.flush()
+        after = e.worker_connector._store.stats()
+    # what the blocks of 64 hold, short of the last prompt token (before: 0 and 512)
+    assert [r.num_cached_tokens for r in got] == [192, 576]
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+    assert after["disk_records"] == records and after["corrupt_records"] == 0
