@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.codec import DTYPE_CODES, dtype_name
+from kvtier.codec import DTYPE_CODES, LAYOUT_CODES, dtype_name
 from kvtier.config import CacheConfig, seconds
 from kvtier.errors import ConfigError, StoreError
 from kvtier.keys import (
+    FORMAT_VERSION,
     NO_EXTRAS,
     ChunkRef,
     Namespace,
@@ -256,6 +257,15 @@ def _check_fits(namespace: Namespace, config: CacheConfig, tail_granularity: int
     if not 0 < tail_granularity <= namespace.chunk_tokens or namespace.chunk_tokens % tail_granularity:
         raise ConfigError(
             f"tail_granularity: must divide chunk_tokens ({namespace.chunk_tokens}), got {tail_granularity}")
+    # Both are part of the keys; records are written in this format's one layout whatever
+    # the namespace says, so another value would label KV as what it is not.
+    if namespace.layout not in LAYOUT_CODES:
+        raise ConfigError(f"layout: records are stored as {', '.join(map(repr, LAYOUT_CODES))} "
+                          f"([layers, k/v, tokens, kv_heads, head_dim]), got {namespace.layout!r}; "
+                          "leave Namespace.layout at its default")
+    if namespace.format_version != FORMAT_VERSION:
+        raise ConfigError(f"format_version: this kvtier writes and reads format {FORMAT_VERSION}, the "
+                          f"namespace says {namespace.format_version}; leave Namespace.format_version at its default")
     dtype = _torch_dtype(namespace.dtype)
     chunk_bytes = math.prod(namespace.kv_shape) * namespace.chunk_tokens * dtype.itemsize
     if chunk_bytes > config.max_record_bytes:

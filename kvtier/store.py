@@ -98,6 +98,17 @@ def _kind_of(value: object) -> str:
     return f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
 
 
+def _check_keys(call: str, keys: object) -> None:
+    """Refuse keys that are not a sequence of chunk keys: a lookup would count the error as
+    an I/O error and answer a miss, and one key where a list goes is its bytes, one by one."""
+    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+        raise TypeError(f"{call}: keys must be a list of {KEY_BYTES}-byte keys, got {_kind_of(keys)}"
+                        + (" (put one key in a list)" if isinstance(keys, bytes) else ""))
+    for k in keys:
+        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+            raise TypeError(f"{call}: each key must be {KEY_BYTES} bytes, got {_kind_of(k)}")
+
+
 def _stores_after_fork_in_child() -> None:
     for store in list(_LIVE_STORES):
         store._after_fork_in_child()
@@ -535,6 +546,7 @@ class ChunkStore:
         The store's index answers, not this process's memory: a chunk still in the host tier
         whose record another process evicted is not stored (other processes cannot load it,
         and a save must not be skipped for it)."""
+        _check_keys("count_present_prefix", keys)
         n = 0
         try:
             while n < len(keys):
@@ -555,6 +567,7 @@ class ChunkStore:
         the index cannot be read: the saves then go ahead; the index keeps the first copy).
         With ``remote``, a key the remote tier holds counts too (one lookup there for the rest),
         as in :meth:`count_present_chain`."""
+        _check_keys("present_each", keys)
         try:
             stored = self.backend.present_each(keys)
         except Exception as exc:
@@ -573,6 +586,7 @@ class ChunkStore:
     def count_present_chain(self, head: bytes, spans: Sequence[tuple[int, bytes]]) -> int:
         """:meth:`count_present_prefix` for a chain's chunks ``(token_start, key)`` whose first
         chunk's key is ``head``: the index reads them side by side (fast also when cold)."""
+        _check_keys("count_present_chain", [head, *(k for _, k in spans)])
         if not spans:
             return 0
         try:
@@ -748,6 +762,7 @@ class ChunkStore:
         several loads at once share that many) are read ahead of the one the caller is at:
         the I/O threads stay busy, and a long load holds a bounded number of buffers until
         the caller is done with the earlier ones (a 128k-token prompt is gigabytes of KV)."""
+        _check_keys("load_many", keys)
         if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
             # serial on a pool thread: waiting there for the same pool could deadlock
             for k in keys:
@@ -791,6 +806,7 @@ class ChunkStore:
     def get_async(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None] | None = None
                   ) -> Future[list[torch.Tensor | None]]:
         """Load several chunks on the I/O pool; the future's result has None for misses."""
+        _check_keys("get_async", keys)
         outs = list(outs) if outs is not None else [None] * len(keys)
         return self._submit(lambda: [self.get(k, o) for k, o in zip(keys, outs, strict=True)])
 
@@ -802,6 +818,7 @@ class ChunkStore:
         may be strided slices of one tensor. Destinations past the returned prefix hold
         unspecified bytes (uncompressed records are read straight into them, then verified).
         """
+        _check_keys("load_into", keys)
         if len(keys) != len(outs):
             raise ValueError("one destination per key")
 
@@ -831,6 +848,7 @@ class ChunkStore:
 
     def prefetch(self, keys: Sequence[bytes]) -> Future[int]:
         """Bring chunks into the host tier ahead of use; the future gives how many are there."""
+        _check_keys("prefetch", keys)
         return self._submit(lambda: sum(self.get(k) is not None for k in keys))
 
     def prefetch_recent(self, namespace_id: bytes, max_bytes: int, reader: str = "default") -> Future[int]:

@@ -175,7 +175,13 @@ def test_namespace_and_cache_mismatches_are_config_errors(tmp_path: Path) -> Non
         KVCache.open(tmp_path / "d", namespace(), config(tmp_path / "d", max_record_bytes="4K"))
     with pytest.raises(ConfigError, match="write_queue_bytes.*smaller than one chunk"):  # (all dropped)
         KVCache.open(tmp_path / "d", namespace(), config(tmp_path / "d", write_queue_bytes="4K"))
-    assert not any((tmp_path / n).exists() for n in "abcd")  # refused before anything was created
+    # records are written in the format's one layout and version whatever the namespace says
+    # (both were taken, and KV stored under a label it does not have)
+    with pytest.raises(ConfigError, match="layout: records are stored as 'LKTHD'.*got 'LKTDH'"):
+        KVCache.open(tmp_path / "e", namespace(layout="LKTDH"))
+    with pytest.raises(ConfigError, match="format_version: this kvtier writes and reads format 1.* says 2"):
+        KVCache.open(tmp_path / "e", namespace(format_version=2))
+    assert not any((tmp_path / n).exists() for n in "abcde")  # refused before anything was created
 
 
 @pytest.mark.parametrize(("ids", "message"), [
@@ -551,4 +557,22 @@ def test_misused_arguments_say_what_to_give(tmp_path: Path) -> None:
                               "num_tokens": CHUNK, **kwargs})
         with pytest.raises(TypeError, match="load: key must be 32 bytes, got str"):
             opened.load("abc")  # type: ignore[arg-type]
+        # lookups and batch loads: a wrong key was an "I/O error" and a miss (one key where a
+        # list goes was read as its bytes, one by one)
+        key = b"k" * 32
+        for call, message in (
+                (lambda: opened.count_present_prefix(key), r"count_present_prefix: keys must be a list of 32-byte keys, "
+                                                           r"got 32 bytes \(put one key in a list\)"),
+                (lambda: opened.present_each(["abc"]), "present_each: each key must be 32 bytes, got str"),
+                (lambda: opened.count_present_chain(key, [(0, key[:16])]),
+                 "count_present_chain: each key must be 32 bytes, got 16 bytes"),
+                (lambda: opened.count_present_chain("head", [(0, key)]), "count_present_chain: each key must be 32 bytes, got str"),
+                (lambda: next(opened.load_many({key})), "load_many: keys must be a list of 32-byte keys, got set"),
+                (lambda: opened.load_into([1], [kv]), "load_into: each key must be 32 bytes, got int"),
+                (lambda: opened.get_async(key.hex()), "get_async: keys must be a list of 32-byte keys, got str"),
+                (lambda: opened.prefetch([None]), "prefetch: each key must be 32 bytes, got NoneType")):
+            with pytest.raises(TypeError, match=message):
+                call()
+        assert opened.present_each([key]) == [False] and opened.count_present_prefix([key]) == 0
+        assert opened.stats()["io_errors"] == 0
         assert opened.stats()["saves_queued"] == 0 and opened.stats()["host_chunks"] == 0
