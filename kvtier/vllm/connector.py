@@ -215,7 +215,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self._view, namespaces, geometry.block_size, loras,
                                         can_load=self._can_load, can_save=self._can_save,
                                         save_partial=self.settings.save_partial_chunks,
-                                        load_async=self.settings.load_async)
+                                        load_async=self.settings.load_async,
+                                        save_decode=self.settings.save_decode_chunks)
             remote = self._view.remote
             log.info("kvtier: connector on (%s, store %s, backend %s, namespace %s%s)",
                      ktc.kv_role, self.settings.cache.path, self.settings.cache.backend,

@@ -2,7 +2,9 @@
 
 Keys come from kvtier's own chained hash over the prompt's token ids (never vLLM's
 ``block_hashes``, whose values depend on vLLM settings). A request's keys are computed once
-and kept until it finishes. A hit requires every tensor-parallel rank's chunk.
+and kept until it finishes; with ``save_decode``, the keys of the full chunks its output
+completes are added as the output's tokens become known. A hit requires every
+tensor-parallel rank's chunk.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvtier.keys import (
     RequestExtras,
     as_token_array,
     chain_seed,
+    child_key,
     match_prefix,
     ranked_chunk_keys,
 )
@@ -39,11 +42,14 @@ LOAD_LEASE_S = 120.0
 
 @dataclass
 class _Request:
-    tokens: np.ndarray
+    tokens: np.ndarray  # the prompt's
     extras: RequestExtras
     seeds: tuple[bytes, ...]
-    to_save: list[RankedChunk]  # the full chunks, then the partial tail (if saved)
-    n_full: int
+    # in the order they are saved (by end): the prompt's full chunks, its partial tail (if
+    # saved), then the full chunks its output completes (with save_decode)
+    to_save: list[RankedChunk]
+    n_full: int  # the prompt's full chunks
+    request: Any = None  # vLLM's request, whose token ids grow with its output (save_decode)
     next_save: int = 0
     block_ids: list[int] = field(default_factory=list)
     loads_started: int = 0
@@ -55,11 +61,22 @@ class _Request:
     def full(self) -> list[RankedChunk]:
         return self.to_save[: self.n_full]
 
+    def before(self, i: int) -> tuple[bytes, ...] | None:
+        """The keys of the full chunk that chunk ``i`` of ``to_save`` extends (None for one
+        that starts the sequence). A partial tail never ends where another chunk starts."""
+        start = self.to_save[i].start
+        if start == 0:
+            return None
+        return next(c.keys for c in reversed(self.to_save[:i]) if c.end == start)
+
 
 def _head(st: _Request, chunk: RankedChunk) -> tuple[bytes, ...]:
-    """The keys (per rank) of the first chunk of ``chunk``'s chain: the prompt's first chunk,
-    or the chunk itself if it starts the prompt (a partial first chunk)."""
-    return chunk.keys if chunk.start == 0 else st.to_save[0].keys
+    """The keys (per rank) of the first chunk of ``chunk``'s chain: the sequence's first full
+    chunk, or the chunk itself if it starts the sequence (a partial first chunk)."""
+    if chunk.start == 0:
+        return chunk.keys
+    # (in save order, a prompt's partial first chunk comes before the full one its output completes)
+    return [c for c in st.to_save[:2] if c.start == 0][-1].keys
 
 
 def _rewind(st: _Request, computed: int) -> None:
@@ -73,7 +90,7 @@ def _rewind(st: _Request, computed: int) -> None:
 class SchedulerSide:
     def __init__(self, store: StoreView, namespaces: list[Namespace], block_size: int,
                  loras: LoraFingerprints, *, can_load: bool, can_save: bool, save_partial: bool,
-                 load_async: bool = True) -> None:
+                 load_async: bool = True, save_decode: bool = False) -> None:
         self.store = store
         self.namespaces = namespaces  # one per tensor-parallel rank
         self.namespace_ids = tuple(ns.id for ns in namespaces)
@@ -85,6 +102,7 @@ class SchedulerSide:
         self.can_load = can_load
         self.can_save = can_save
         self.save_partial = save_partial
+        self.save_decode = save_decode and can_save
         self.load_async = load_async
         self._reqs: dict[str, _Request] = {}
         # req -> (local hit in tokens, [(chunk, tokens of it to load)])
@@ -110,7 +128,8 @@ class SchedulerSide:
         seeds = tuple(chain_seed(ns, extras) for ns in self.namespaces)
         chunks = ranked_chunk_keys(tokens, seeds, self.chunk_tokens,
                                    self.block_size if self.save_partial else None)
-        st = _Request(tokens, extras, seeds, chunks, len(tokens) // self.chunk_tokens)
+        st = _Request(tokens, extras, seeds, chunks, len(tokens) // self.chunk_tokens,
+                      request if self.save_decode else None)
         self._reqs[request.request_id] = st
         return st
 
@@ -148,9 +167,10 @@ class SchedulerSide:
         if self.store.remote is not None:
             hits = hits[: self._present(st, hits, remote=False)]
         stored = {c.keys for c in hits}
-        tail = st.to_save[st.n_full:]
-        if hits and tail and hits[-1].start == tail[0].start and hits[-1].end > tail[0].end:
-            stored.add(tail[0].keys)
+        tail = st.to_save[st.n_full] if len(st.to_save) > st.n_full else None
+        if (hits and tail is not None and tail.end - tail.start < self.chunk_tokens
+                and hits[-1].start == tail.start and hits[-1].end > tail.end):
+            stored.add(tail.keys)
         return stored
 
     def _match(self, st: _Request) -> list[RankedChunk]:
@@ -251,17 +271,36 @@ class SchedulerSide:
     def _plan_saves(self, req_id: str, st: _Request, computed: int, meta: KVTierMetadata) -> None:
         if not self.can_save:
             return
-        computed = min(computed, len(st.tokens))
+        if st.request is not None:
+            self._add_output_chunks(st)
+        else:
+            computed = min(computed, len(st.tokens))
         bs = self.block_size
         while st.next_save < len(st.to_save) and st.to_save[st.next_save].end <= computed:
             c = st.to_save[st.next_save]
             st.next_save += 1
             if c.end // bs > len(st.block_ids):
                 continue  # blocks not known (should not happen): skip rather than save garbage
-            parent = st.to_save[st.next_save - 2].keys if st.next_save >= 2 else ()
             meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
-                                       st.block_ids[c.start // bs : c.end // bs], parent, _head(st, c),
+                                       st.block_ids[c.start // bs : c.end // bs],
+                                       st.before(st.next_save - 1) or (), _head(st, c),
                                        stored=c.keys in st.stored))
+
+    def _add_output_chunks(self, st: _Request) -> None:
+        """Add the full chunks the request's output has completed to its saves. Only tokens
+        vLLM has appended count (sampled and accepted: not speculative drafts, nor the
+        placeholders of asynchronous scheduling), so a chunk's keys name its final tokens;
+        its KV is saved once the step that computes its last token runs."""
+        tokens = st.request.all_token_ids
+        step = self.chunk_tokens
+        end = st.to_save[-1].end // step * step if st.to_save else 0  # (at a partial tail: its start)
+        while end + step <= len(tokens):
+            last = len(st.to_save) - 1
+            # the full chunk that ends at ``end`` (before the prompt's partial tail, if that is last)
+            parents = (st.to_save[last].keys if st.to_save[last].end == end else st.before(last)) if end else None
+            piece = as_token_array(tokens[end : end + step])
+            st.to_save.append(RankedChunk(end, end + step, tuple(child_key(p, piece) for p in parents or st.seeds)))
+            end += step
 
     def request_finished(self, request: Any) -> bool:
         """Forget the request. Never holds its blocks: the worker's copies of a step's saves

@@ -29,6 +29,9 @@ class ConnectorSettings:
     # Save the prompt's trailing partial chunk (rounded down to the block size) so that an
     # exactly repeated prompt hits in full.
     save_partial_chunks: bool = True
+    # Also save the full chunks a request's output completes (prompt and answer tokens), so
+    # that the next turn of a conversation, whose prompt repeats the answer, hits on it too.
+    save_decode_chunks: bool = False
     # Load in the background between steps (other requests keep running) or synchronously
     # before the step's forward pass (lowest time to first token for a lone request).
     load_async: bool = True
@@ -58,6 +61,9 @@ class ConnectorSettings:
         partial = mine.get("save_partial_chunks", True)
         if not isinstance(partial, bool):
             raise ConfigError(f"save_partial_chunks: must be true or false, got {partial!r}")
+        decode = mine.get("save_decode_chunks", False)
+        if not isinstance(decode, bool):
+            raise ConfigError(f"save_decode_chunks: must be true or false, got {decode!r}")
         load_async = mine.get("load_async", True)
         if not isinstance(load_async, bool):
             raise ConfigError(f"load_async: must be true or false, got {load_async!r}")
@@ -82,5 +88,5 @@ class ConnectorSettings:
             raise ConfigError(f"save_wait_s: must be seconds from 0 to {MAX_SAVE_WAIT_S:.0f} (0: drop saves "
                               f"that do not fit, as a server must), got {wait!r}")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
-                   save_partial_chunks=partial, load_async=load_async, prefetch_bytes=prefetch,
+                   save_partial_chunks=partial, save_decode_chunks=decode, load_async=load_async, prefetch_bytes=prefetch,
                    prefetch_reader=reader, save_wait_s=float(wait))

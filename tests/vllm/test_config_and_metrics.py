@@ -18,6 +18,7 @@ from kvtier.vllm.worker_side import WorkerSide
     ({"backend": "redis"}, "backend: must be one of"),
     ({"prefetch_bytes": "2G", "host_bytes": "1G"}, "prefetch_bytes: 2147483648 bytes is more than host_bytes"),
     ({"save_wait_s": -1}, "save_wait_s: must be seconds from 0 to 1200"),
+    ({"save_decode_chunks": "yes"}, "save_decode_chunks: must be true or false, got 'yes'"),
     ({"save_wait_s": 5}, "save_wait_s: only for an offline producer"),  # (this engine serves: kv_both)
 ])
 def test_bad_option_stops_startup_with_clear_message(tiny_model: Path, store_dir: Path,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from enginehelpers import tokens
 
+from kvtier.backends.index import NO_KEY
+from kvtier.keys import as_token_array, chain_seed, chunk_keys
 from kvtier.testing.engine import Engine, kv_transfer_config
 
 SYSTEM = tokens(512, seed=1)
@@ -176,3 +178,34 @@ def test_a_restart_with_a_larger_block_size_loads_the_tails_saved_before(tiny_mo
     assert [r.num_cached_tokens for r in got] == [192, 576]
     assert [r.tokens for r in got] == [r.tokens for r in base]
     assert after["disk_records"] == records and after["corrupt_records"] == 0
+
+
+def test_the_next_turn_of_a_conversation_loads_the_previous_answer(tiny_model: Path, store_dir: Path) -> None:
+    """With ``save_decode_chunks``, the full chunks a request's output completes are saved
+    too: the next turn, whose prompt repeats the answer, loads them after a restart, with
+    output identical to no cache (only the prompt's chunks and tail were saved before)."""
+    turn1 = [tokens(300, seed=50), tokens(100, seed=52)]  # the second is shorter than a chunk
+    with Engine(tiny_model) as e:
+        answers = [r.tokens for r in e.generate(turn1, max_tokens=260)]
+        turn2 = [t + a + tokens(40, seed=51) for t, a in zip(turn1, answers, strict=True)]  # 600 and 400 tokens
+        base = e.generate(turn2, max_tokens=6)
+    decode = {"save_decode_chunks": True}
+    with Engine(tiny_model, kv_transfer_config(store_dir, **decode)) as e:
+        assert [r.tokens for r in e.generate(turn1, max_tokens=260)] == answers
+        e.worker_connector._store.flush()
+        # the first: its chunk, its 32-token tail, and [256, 512) (44 prompt and 212 answer
+        # tokens); the second: its 96-token tail and [0, 256) (100 prompt and 156 answer tokens)
+        assert e.worker_connector._store.stats()["disk_records"] == 5
+        seed = chain_seed(e.scheduler_connector._sched.namespaces[0])
+        stored = {x.key: (x.token_start, x.num_tokens, x.parent, x.head) for x in e.worker_connector._store.backend.entries()}
+    # keyed and chained as a prompt holding those tokens: the answer's chunk extends the
+    # prompt's full chunk (not its tail), in the chain that chunk heads
+    one, two = (chunk_keys(as_token_array(t + a), seed, 256, None) for t, a in zip(turn1, answers, strict=True))
+    tail1, tail2 = (chunk_keys(as_token_array(t), seed, 256, 32)[-1] for t in turn1)
+    assert stored == {one[0].key: (0, 256, NO_KEY, one[0].key), one[1].key: (256, 256, one[0].key, one[0].key),
+                      tail1.key: (256, 32, one[0].key, one[0].key), two[0].key: (0, 256, NO_KEY, two[0].key),
+                      tail2.key: (0, 96, NO_KEY, tail2.key)}
+    with Engine(tiny_model, kv_transfer_config(store_dir, **decode)) as e:
+        got = e.generate(turn2, max_tokens=6)
+    assert [r.num_cached_tokens for r in got] == [512, 256]  # 288 and 96 without the answers' chunks
+    assert [r.tokens for r in got] == [r.tokens for r in base]
