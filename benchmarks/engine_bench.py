@@ -4,7 +4,11 @@ Compares, side by side in one run on the same tiny local model (random weights, 
   * TTFT of a long prompt with no connector (full prefill),
   * kvtier on an empty store (prefill + save), then a fresh engine on the same store (load),
   * vLLM's ExampleConnector (save, then load in a fresh engine),
-  * throughput on a workload with no reuse (distinct prompts), with and without kvtier.
+  * throughput on a workload with no reuse (distinct prompts), with and without kvtier,
+  * a conversation's second turn (the first turn, its answer and a new message) in a fresh
+    engine: TTFT with no connector, with kvtier saving prompts only (the default), and with
+    ``save_decode_chunks`` (the answer's chunks saved too); and the first turn's generation
+    time with each, which is what saving the answer costs.
 Each "fresh engine" is a new engine in this process (vLLM in-process mode); the store's files
 may still be in the page cache (warm) unless --drop-caches is given (needs root).
 
@@ -43,6 +47,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="TTFT samples per configuration")
     ap.add_argument("--no-reuse-prompts", type=int, default=16)
     ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--turn-tokens", type=int, default=2048, help="the conversation's first prompt")
+    ap.add_argument("--answer-tokens", type=int, default=1024, help="the first turn's answer")
     ap.add_argument("--backends", nargs="+", default=["files"], choices=["files", "lmdb"],
                     help="kvtier backends to run side by side (default: files, the default backend)")
     args = ap.parse_args()
@@ -115,6 +121,8 @@ def main() -> None:
                 e.generate(distinct, max_tokens=32)
                 tput[name].append(len(distinct) * (1024 + 32) / (time.perf_counter() - t0))
 
+    conv = conversation(model, work, opts, warm, args)
+
     base = rows[0][1]
     print(f"\nprompt {args.tokens} tokens, median of {args.repeat}; model: 4 layers, hidden 512, "
           "8 heads (4 KV), bf16, CPU backend\n")
@@ -129,7 +137,53 @@ def main() -> None:
     for name, v in tput.items():
         print(f"| {name} | {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f}) | "
               f"{statistics.median(v) / ref:.3f}x |")
+    first = conv[0][1]
+    turn2 = args.turn_tokens + args.answer_tokens + 256
+    print(f"\n| conversation: second turn ({turn2} tokens: a {args.turn_tokens}-token turn, its "
+          f"{args.answer_tokens}-token answer, 256 new) after a restart, median of {args.repeat} | TTFT (s) "
+          "| vs no connector | cached tokens | same output | first turn's generation (s) | vs no connector |")
+    print("|---|---|---|---|---|---|---|")
+    for name, t, c, same, gen in conv:
+        print(f"| {name} | {t:.3f} | {first / t:.2f}x | {c} | {same} | {gen:.2f} | {gen / conv[0][4]:.3f}x |")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def conversation(model: Path, work: Path, opts: dict, warm: list[int],
+                 args: argparse.Namespace) -> list[tuple[str, float, int, bool, float]]:
+    """The second turn of a conversation after a restart: (name, TTFT, cached tokens, same
+    output as without a connector, seconds the first turn's generation took), medians of
+    ``args.repeat`` interleaved rounds (this machine's speed drifts)."""
+    from kvtier.testing.engine import Engine, kv_transfer_config
+
+    rng = random.Random(1)
+    turn1 = [rng.randrange(3, 2000) for _ in range(args.turn_tokens)]
+    new = [rng.randrange(3, 2000) for _ in range(256)]
+    configs = {"no connector": None, "kvtier, prompts saved (default)": {},
+               "kvtier, save_decode_chunks": {"save_decode_chunks": True}}
+    samples: dict[str, list[tuple[float, int, bool, float]]] = {name: [] for name in configs}
+    answer: list[int] | None = None
+    base: list[int] | None = None
+    for rnd in range(args.repeat):
+        for name, extra in configs.items():
+            store = work / f"conversation-{rnd}-{list(configs).index(name)}"
+            with Engine(model, None if extra is None else kv_transfer_config(store, **extra), **opts) as e:
+                e.generate([warm], max_tokens=1)
+                t0 = time.perf_counter()
+                got = e.generate([turn1], max_tokens=args.answer_tokens)[0].tokens
+                gen = time.perf_counter() - t0
+                if e.worker_connector is not None:
+                    e.worker_connector._store.flush()
+            answer = answer or got
+            turn2 = turn1 + answer + new
+            drop_caches(args.drop_caches)
+            with Engine(model, None if extra is None else kv_transfer_config(store, **extra),
+                        **opts) as e:  # "after a restart"
+                e.generate([warm], max_tokens=1)
+                r, t = e.timed_generate(turn2)
+            base = base or r.tokens
+            samples[name].append((t, r.num_cached_tokens, got == answer and r.tokens == base, gen))
+    return [(name, statistics.median(x[0] for x in v), v[0][1], all(x[2] for x in v),
+             statistics.median(x[3] for x in v)) for name, v in samples.items()]
 
 
 if __name__ == "__main__":
