@@ -23,9 +23,11 @@ OLDER_CPU_RELEASES = ("0.30.0", "0.31.0")
 _CHOSEN = os.environ.get("KVTIER_VLLM_MATRIX", ",".join(OLDER_CPU_RELEASES))
 MATRIX = () if _CHOSEN.strip() == "none" else tuple(v.strip() for v in _CHOSEN.split(",") if v.strip())
 # Logprob-identical restart with synchronous loads (the default files backend); token-identical
-# restart with asynchronous loads on the lmdb backend.
+# restart with asynchronous loads on the lmdb backend; a conversation's answer saved from the
+# request's growing token ids (save_decode_chunks).
 RESTART_TESTS = ("tests/vllm/test_restart.py::test_restart_hits_and_identical_tokens_and_logprobs",
-                 "tests/vllm/test_restart.py::test_lmdb_backend_restart")
+                 "tests/vllm/test_restart.py::test_lmdb_backend_restart",
+                 "tests/vllm/test_restart.py::test_the_next_turn_of_a_conversation_loads_the_previous_answer")
 
 
 def _venv(version: str) -> str:
