@@ -42,6 +42,9 @@ class SaveSpec:
     # the scheduler's lookup found it stored on every rank: the worker skips it without
     # reading the index (which may wait for the disk) on the model's thread
     stored: bool = False
+    # per rank: a longer stored chunk that holds this one's KV (a tail saved at a smaller
+    # block size): this one is skipped, that one is used, unless its load failed here
+    held_by: tuple[bytes, ...] = ()
 
 
 @dataclass

@@ -56,6 +56,8 @@ class _Request:
     # the keys of the chunks the last lookup found stored on every rank: their saves are
     # skipped (the worker then reads no index on the model's thread)
     stored: set[tuple[bytes, ...]] = field(default_factory=set)
+    # a longer stored tail that holds the prompt's own tail (saved at a smaller block size)
+    tail_held_by: tuple[bytes, ...] = ()
 
     @property
     def full(self) -> list[RankedChunk]:
@@ -159,19 +161,18 @@ class SchedulerSide:
                 there[i] = t
         return there
 
-    def _stored(self, st: _Request, hits: list[RankedChunk]) -> set[tuple[bytes, ...]]:
-        """The keys of the ``hits`` this store holds itself: their saves are skipped. (A chunk
-        only the remote tier holds is saved here too, as before a lookup decided it.) So is
-        the request's own tail when a longer stored tail at its start holds its KV (one saved
-        at a smaller block size, before a restart)."""
+    def _note_stored(self, st: _Request, hits: list[RankedChunk]) -> None:
+        """Note the ``hits`` this store holds itself: their saves are skipped. (A chunk only
+        the remote tier holds is saved here too, as before a lookup decided it.) So is the
+        request's own tail when a longer stored tail at its start holds its KV (one saved at a
+        smaller block size, before a restart), unless that one fails to load."""
         if self.store.remote is not None:
             hits = hits[: self._present(st, hits, remote=False)]
-        stored = {c.keys for c in hits}
+        st.stored = {c.keys for c in hits}
         tail = st.to_save[st.n_full] if len(st.to_save) > st.n_full else None
-        if (hits and tail is not None and tail.end - tail.start < self.chunk_tokens
-                and hits[-1].start == tail.start and hits[-1].end > tail.end):
-            stored.add(tail.keys)
-        return stored
+        longer = (hits and tail is not None and tail.end - tail.start < self.chunk_tokens
+                  and hits[-1].start == tail.start and hits[-1].end > tail.end)
+        st.tail_held_by = hits[-1].keys if longer else ()
 
     def _match(self, st: _Request) -> list[RankedChunk]:
         return match_prefix(st.tokens, st.seeds, st.full, self.chunk_tokens,
@@ -192,11 +193,11 @@ class SchedulerSide:
         # instead. Still look up which of its chunks are stored, so that their saves are skipped.
         if not self.can_load or st.loads_started:
             if self.can_save:
-                st.stored = self._stored(st, self._match(st))
+                self._note_stored(st, self._match(st))
             return 0, False
         self.lookups += 1
         hits = self._match(st)
-        st.stored = self._stored(st, hits)
+        self._note_stored(st, hits)
         if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses)
             self._uses.extend(c.keys for c in hits if c.end <= num_computed_tokens)
         # Leave at least one prompt token to compute; stay block aligned (a tail saved at a
@@ -281,10 +282,11 @@ class SchedulerSide:
             st.next_save += 1
             if c.end // bs > len(st.block_ids):
                 continue  # blocks not known (should not happen): skip rather than save garbage
+            held_by = st.tail_held_by if st.next_save - 1 == st.n_full else ()
             meta.saves.append(SaveSpec(req_id, c.keys, c.start, c.end - c.start,
                                        st.block_ids[c.start // bs : c.end // bs],
                                        st.before(st.next_save - 1) or (), _head(st, c),
-                                       stored=c.keys in st.stored))
+                                       stored=c.keys in st.stored or bool(held_by), held_by=held_by))
 
     def _add_output_chunks(self, st: _Request) -> None:
         """Add the full chunks the request's output has completed to its saves. Only tokens

@@ -198,10 +198,11 @@ class WorkerSide:
         used = []
         for spec, in_queue in zip(meta.saves, queued, strict=True):
             key = spec.keys[self.rank]
-            refuted = key in self._refuted  # its load failed here: not stored after all
+            holder = spec.held_by[self.rank] if spec.held_by else key  # what holds its KV
+            refuted = key in self._refuted or holder in self._refuted  # a load failed here: not stored after all
             there = not unsafe and ((spec.stored and not refuted) or in_queue)
             if there:  # stored already, and used all the same (see record_uses)
-                used.append(key)
+                used.append(key if in_queue else holder)
             if unsafe or there:
                 staged.append(_Staged(spec, None, "save_unsafe_chunks" if unsafe else "save_skipped_chunks"))
                 continue

@@ -178,6 +178,17 @@ def test_a_restart_with_a_larger_block_size_loads_the_tails_saved_before(tiny_mo
     assert [r.num_cached_tokens for r in got] == [192, 576]
     assert [r.tokens for r in got] == [r.tokens for r in base]
     assert after["disk_records"] == records and after["corrupt_records"] == 0
+    # Every record damaged: the synchronous loads fail, vLLM recomputes, and the server saves
+    # its own tails after all, since the longer ones that held their KV are gone.
+    for rec in store_dir.joinpath("files").rglob("*.kvt"):
+        data = bytearray(rec.read_bytes())
+        data[-7] ^= 0x01
+        rec.write_bytes(bytes(data))
+    with Engine(tiny_model, kv_transfer_config(store_dir, load_async=False), block_size=64) as e:
+        assert [r.tokens for r in e.generate(prompts, max_tokens=6)] == [r.tokens for r in base]
+        assert e.worker_connector._store.counters.snapshot()["corrupt_records"] >= 2
+    with Engine(tiny_model, kv_transfer_config(store_dir), block_size=64) as e:
+        assert [r.num_cached_tokens for r in e.generate(prompts, max_tokens=6)] == [192, 576]
 
 
 def test_the_next_turn_of_a_conversation_loads_the_previous_answer(tiny_model: Path, store_dir: Path) -> None:

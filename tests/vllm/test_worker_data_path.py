@@ -147,15 +147,21 @@ def test_a_step_reads_no_index_and_skips_what_is_stored_or_queued(tmp_path: Path
         real_put_many = store.backend.put_many
         store.backend.put_many = lambda items: held.wait(30) and real_put_many(items)  # the disk is slow
 
-        def spec(key: bytes, first_block: int, *, stored: bool = False) -> SaveSpec:
+        def spec(key: bytes, first_block: int, *, stored: bool = False, held_by: tuple[bytes, ...] = ()) -> SaveSpec:
             return SaveSpec("r", (key,), 0, G.chunk_tokens, list(range(first_block, first_block + PER_CHUNK)),
-                            stored=stored)
+                            stored=stored, held_by=held_by)
 
-        known, fresh = os.urandom(32), os.urandom(32)
-        save_step(worker, caches, [spec(known, 0, stored=True), spec(fresh, PER_CHUNK)])
+        touched: list[bytes] = []
+        real_touch = store.touch
+        store.touch = lambda keys: (touched.extend(keys), real_touch(keys))  # (the LRU's uses)
+        known, fresh, own_tail, longer_tail = (os.urandom(32) for _ in range(4))
+        save_step(worker, caches, [spec(known, 0, stored=True), spec(fresh, PER_CHUNK),
+                                   spec(own_tail, 2 * PER_CHUNK, stored=True, held_by=(longer_tail,))])
         stats = worker.take_stats()
-        assert stats.get("save_skipped_chunks") == 1 and stats.get("save_chunks") == 1
-        assert store.queued_each([known, fresh]) == [False, True]
+        assert stats.get("save_skipped_chunks") == 2 and stats.get("save_chunks") == 1
+        # a tail held by a longer stored one is skipped, and the use goes to the one that exists
+        assert touched == [known, longer_tail]
+        assert store.queued_each([known, fresh, own_tail]) == [False, True, False]
         save_step(worker, caches, [spec(fresh, PER_CHUNK)])  # still queued: not copied again
         stats = worker.take_stats()
         assert stats.get("save_skipped_chunks") == 1 and not stats.get("save_chunks")
