@@ -291,10 +291,20 @@ def ranked_chunk_keys(tokens: np.ndarray, seeds: Sequence[bytes], chunk_tokens: 
             for refs in zip(*per_seed, strict=True)]
 
 
+def tail_candidates(tokens: np.ndarray, parents: Sequence[bytes], start: int, chunk_tokens: int,
+                    granularity: int) -> list[RankedChunk]:
+    """The partial chunks at ``start`` that a lookup tries, longest first, every
+    :func:`tail_lookup_step`, with one key per parent (per tensor-parallel rank)."""
+    step = tail_lookup_step(granularity)
+    per_seed = [partial_candidates(tokens, p, start, chunk_tokens, step) for p in parents]
+    return [RankedChunk(cs[0].start, cs[0].end, tuple(c.key for c in cs)) for cs in zip(*per_seed, strict=True)]
+
+
 def match_prefix(tokens: np.ndarray, seeds: Sequence[bytes], full: list[RankedChunk],
                  chunk_tokens: int, granularity: int | None,
                  present: Callable[[list[RankedChunk]], int],
-                 present_each: Callable[[list[RankedChunk]], list[bool]]) -> list[RankedChunk]:
+                 present_each: Callable[[list[RankedChunk]], list[bool]],
+                 candidates: Callable[..., list[RankedChunk]] = tail_candidates) -> list[RankedChunk]:
     """The stored chunks covering the longest cached prefix of ``tokens``.
 
     ``full`` are the sequence's full chunks; ``present`` says how many leading chunks of a
@@ -303,15 +313,13 @@ def match_prefix(tokens: np.ndarray, seeds: Sequence[bytes], full: list[RankedCh
     follow it (when tails are saved rounded to ``granularity``) are looked up together, at
     every :func:`tail_lookup_step`, and the longest stored one is the last hit. It may end
     past what a caller with a larger block size can use: that caller loads a part of it.
+    ``candidates`` (:func:`tail_candidates`' arguments) lets a caller that asks again keep them.
     """
     hits = full[: present(full)]
     if granularity:
         start = hits[-1].end if hits else 0
         parents = hits[-1].keys if hits else tuple(seeds)
-        step = tail_lookup_step(granularity)
-        per_seed = [partial_candidates(tokens, p, start, chunk_tokens, step) for p in parents]
-        cands = [RankedChunk(cs[0].start, cs[0].end, tuple(c.key for c in cs))
-                 for cs in zip(*per_seed, strict=True)]
+        cands = candidates(tokens, parents, start, chunk_tokens, granularity)
         if cands:
             for cand, there in zip(cands, present_each(cands), strict=True):
                 if there:

@@ -573,7 +573,7 @@ class ChunkStore:
         except Exception as exc:
             self.counters.add(io_errors=1)
             self._warn.warning("lookup", "kvtier: lookup failed (%s); treating as a miss", exc)
-            stored = [False] * len(keys)
+            return [k in self._pending for k in keys]  # (as count_present_chain: no remote lookup either)
         there = [t or k in self._pending for k, t in zip(keys, stored, strict=True)]
         return there if not remote or self.remote is None else self.remote.or_present(keys, there)
 

@@ -54,16 +54,17 @@ class StoreView:
             n += self.remote.count_present_prefix([k for _, k in spans[n:]])
         return n
 
-    def present_each(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each of ``keys`` is stored, here or in the remote tier, in one index read
-        (and one remote lookup for those not here); all False if the index cannot be read."""
+    def present_each(self, keys: Sequence[bytes], *, remote: bool = True) -> list[bool]:
+        """Whether each of ``keys`` is stored, here or (with ``remote``) in the remote tier, in
+        one index read (and one remote lookup for those not here); all False if the index
+        cannot be read."""
         try:
             there = self.backend.present_each(keys)
         except Exception as exc:
             self.lookup_errors += 1
             log.warning("kvtier: lookup failed (%s); treating as a miss", exc)
             return [False] * len(keys)
-        return there if self.remote is None else self.remote.or_present(keys, there)
+        return there if self.remote is None or not remote else self.remote.or_present(keys, there)
 
     def lease(self, keys: Sequence[bytes], seconds: float) -> Lease:
         """Keep ``keys``, and the chunks they extend, from eviction for ``seconds`` (the

@@ -27,6 +27,7 @@ from kvtier.keys import (
     child_key,
     match_prefix,
     ranked_chunk_keys,
+    tail_candidates,
 )
 from kvtier.store_view import StoreView
 from kvtier.vllm.identity import LoraFingerprints
@@ -58,6 +59,9 @@ class _Request:
     stored: set[tuple[bytes, ...]] = field(default_factory=set)
     # a longer stored tail that holds the prompt's own tail (saved at a smaller block size)
     tail_held_by: tuple[bytes, ...] = ()
+    # the tail lengths the last lookup tried, and where they start (vLLM asks again each step
+    # while a request waits; with 2048-token chunks hashing them costs ~0.5 ms per rank)
+    tail_candidates: tuple[int, list[RankedChunk]] | None = None
 
     @property
     def full(self) -> list[RankedChunk]:
@@ -149,15 +153,16 @@ class SchedulerSide:
                                                remote=remote)
         return n
 
-    def _present_each(self, chunks: list[RankedChunk]) -> list[bool]:
-        """Whether every rank has stored each of ``chunks`` (here or in the remote tier): one
-        index read per rank."""
+    def _present_each(self, chunks: list[RankedChunk], *, remote: bool = True) -> list[bool]:
+        """Whether every rank has stored each of ``chunks`` (here or, with ``remote``, in the
+        remote tier): one index read per rank."""
         there = [True] * len(chunks)
         for rank in range(len(self.namespaces)):
             ask = [i for i, t in enumerate(there) if t]
             if not ask:
                 break
-            for i, t in zip(ask, self.store.present_each([chunks[i].keys[rank] for i in ask]), strict=True):
+            for i, t in zip(ask, self.store.present_each([chunks[i].keys[rank] for i in ask], remote=remote),
+                            strict=True):
                 there[i] = t
         return there
 
@@ -175,9 +180,15 @@ class SchedulerSide:
         st.tail_held_by = hits[-1].keys if longer else ()
 
     def _match(self, st: _Request) -> list[RankedChunk]:
+        def candidates(tokens: np.ndarray, parents: tuple[bytes, ...], start: int, chunk_tokens: int,
+                       granularity: int) -> list[RankedChunk]:  # (the same for a given start)
+            if st.tail_candidates is None or st.tail_candidates[0] != start:
+                st.tail_candidates = (start, tail_candidates(tokens, parents, start, chunk_tokens, granularity))
+            return st.tail_candidates[1]
+
         return match_prefix(st.tokens, st.seeds, st.full, self.chunk_tokens,
                             self.block_size if self.save_partial else None,
-                            lambda chunks: self._present(st, chunks), self._present_each)
+                            lambda chunks: self._present(st, chunks), self._present_each, candidates)
 
     # -- vLLM calls --------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -296,13 +307,18 @@ class SchedulerSide:
         tokens = st.request.all_token_ids
         step = self.chunk_tokens
         end = st.to_save[-1].end // step * step if st.to_save else 0  # (at a partial tail: its start)
+        added = []
         while end + step <= len(tokens):
             last = len(st.to_save) - 1
             # the full chunk that ends at ``end`` (before the prompt's partial tail, if that is last)
             parents = (st.to_save[last].keys if st.to_save[last].end == end else st.before(last)) if end else None
             piece = as_token_array(tokens[end : end + step])
             st.to_save.append(RankedChunk(end, end + step, tuple(child_key(p, piece) for p in parents or st.seeds)))
+            added.append(st.to_save[-1])
             end += step
+        if added:  # (a repeated answer: stored already; one index read, on the scheduler's thread)
+            st.stored.update(c.keys for c, there in zip(added, self._present_each(added, remote=False), strict=True)
+                             if there)
 
     def request_finished(self, request: Any) -> bool:
         """Forget the request. Never holds its blocks: the worker's copies of a step's saves

@@ -216,6 +216,9 @@ def test_the_next_turn_of_a_conversation_loads_the_previous_answer(tiny_model: P
     assert stored == {one[0].key: (0, 256, NO_KEY, one[0].key), one[1].key: (256, 256, one[0].key, one[0].key),
                       tail1.key: (256, 32, one[0].key, one[0].key), two[0].key: (0, 256, NO_KEY, two[0].key),
                       tail2.key: (0, 96, NO_KEY, tail2.key)}
+    with Engine(tiny_model, kv_transfer_config(store_dir, **decode)) as e:  # the first turn again
+        assert [r.tokens for r in e.generate(turn1, max_tokens=260)] == answers
+        assert e.worker_connector._store.stats()["saves_queued"] == 0  # its answers' chunks are stored
     with Engine(tiny_model, kv_transfer_config(store_dir, **decode)) as e:
         got = e.generate(turn2, max_tokens=6)
     assert [r.num_cached_tokens for r in got] == [512, 256]  # 288 and 96 without the answers' chunks

@@ -79,3 +79,34 @@ def test_hit_requires_every_ranks_chunk(tmp_path: Path) -> None:
     assert single.get_num_new_matched_tokens(req, 0) == (256, True)
     view.close()
     store.close()
+
+
+def test_a_waiting_requests_tail_lengths_are_hashed_once(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """vLLM asks about a waiting request every step; the tail lengths a lookup tries (up to
+    chunk_tokens / 16 hashes per rank) are kept with the request, and a tail stored on every
+    rank is found among them."""
+    import kvtier.vllm.scheduler_side as scheduler_side
+
+    nss = _namespaces()
+    prompt = tokens(150, seed=6)  # two full chunks of 64, then 22 tokens: tails of 16 tried
+    store = ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, host_bytes=0))
+    arr = as_token_array(prompt)
+    kv = torch.zeros(2, 2, 64, 1, 32, dtype=torch.bfloat16)
+    for ns in nss:
+        refs = chunk_keys(arr, chain_seed(ns), 64, 16)  # (a server at block size 16 saved it)
+        for ref in refs:
+            store.put(ref.key, kv.narrow(2, 0, ref.num_tokens).clone(), namespace_id=ns.id,
+                      token_start=ref.start, num_tokens=ref.num_tokens)
+    store.flush()
+    hashed = []
+    real = scheduler_side.tail_candidates
+    monkeypatch.setattr(scheduler_side, "tail_candidates", lambda *a: hashed.append(a[2]) or real(*a))
+    view = StoreView(store.config)
+    side = SchedulerSide(view, nss, 16, LoraFingerprints(None), can_load=True, can_save=True, save_partial=True)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, cache_salt=None, lora_request=None,
+                          mm_features=[], prompt_embeds=None)
+    for _ in range(3):  # the full chunks and the 16-token tail
+        assert side.get_num_new_matched_tokens(req, 0) == (144, True)
+    assert hashed == [128]
+    view.close()
+    store.close()
