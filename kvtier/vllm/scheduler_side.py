@@ -209,11 +209,12 @@ class SchedulerSide:
         self.lookups += 1
         hits = self._match(st)
         self._note_stored(st, hits)
-        if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses)
-            self._uses.extend(c.keys for c in hits if c.end <= num_computed_tokens)
+        bs = self.block_size
+        if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses):
+            # every whole block of it (a tail saved at a smaller block size may end inside one)
+            self._uses.extend(c.keys for c in hits if c.start < c.end // bs * bs <= num_computed_tokens)
         # Leave at least one prompt token to compute; stay block aligned (a tail saved at a
         # smaller block size may end inside a block: its whole blocks are loaded).
-        bs = self.block_size
         end = min(hits[-1].end // bs * bs if hits else 0, (len(st.tokens) - 1) // bs * bs)
         if end <= num_computed_tokens:
             return 0, False

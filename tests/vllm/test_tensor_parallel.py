@@ -110,3 +110,30 @@ def test_a_waiting_requests_tail_lengths_are_hashed_once(tmp_path: Path, monkeyp
     assert hashed == [128]
     view.close()
     store.close()
+
+
+def test_a_consumer_reports_a_use_of_a_longer_tail_its_own_cache_served(tmp_path: Path) -> None:
+    """A consumer saves nothing, so what vLLM's own prefix cache served is reported as a use
+    (for the store's LRU): a tail saved at a smaller block size counts once the blocks it
+    fills are served, though it ends inside a block (it went unreported and aged out)."""
+    nss = _namespaces()
+    prompt = tokens(124, seed=8)  # a full chunk of 64, then a tail of 60: saved as 48 at block size 16
+    store = ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, host_bytes=0))
+    kv = torch.zeros(2, 2, 64, 1, 32, dtype=torch.bfloat16)
+    refs = [chunk_keys(as_token_array(prompt), chain_seed(ns), 64, 16) for ns in nss]
+    for ns, rank_refs in zip(nss, refs, strict=True):
+        for ref in rank_refs:
+            store.put(ref.key, kv.narrow(2, 0, ref.num_tokens).clone(), namespace_id=ns.id,
+                      token_start=ref.start, num_tokens=ref.num_tokens)
+    store.flush()
+    view = StoreView(store.config)
+    side = SchedulerSide(view, nss, 32, LoraFingerprints(None), can_load=True, can_save=False, save_partial=True)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, cache_salt=None, lora_request=None,
+                          mm_features=[], prompt_embeds=None)
+    assert side.get_num_new_matched_tokens(req, 96) == (0, False)  # vLLM's cache held [0, 96): nothing to load
+    chunk, tail = (tuple(r[i].key for r in refs) for i in (0, 1))
+    assert side.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]),
+        num_scheduled_tokens={})).uses == [chunk, tail]
+    view.close()
+    store.close()
