@@ -69,11 +69,13 @@ class _Request:
 
     def before(self, i: int) -> tuple[bytes, ...] | None:
         """The keys of the full chunk that chunk ``i`` of ``to_save`` extends (None for one
-        that starts the sequence). A partial tail never ends where another chunk starts."""
+        that starts the sequence): the chunk before it, or, for the first chunk the output
+        completes, the one before the prompt's partial tail (which starts where it does)."""
         start = self.to_save[i].start
         if start == 0:
             return None
-        return next(c.keys for c in reversed(self.to_save[:i]) if c.end == start)
+        prev = self.to_save[i - 1]
+        return prev.keys if prev.end == start else self.to_save[i - 2].keys
 
 
 def _head(st: _Request, chunk: RankedChunk) -> tuple[bytes, ...]:

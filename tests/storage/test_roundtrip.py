@@ -28,7 +28,7 @@ from kvhelpers import (
 )
 
 from kvtier import ChunkStore, ConfigError, KVCache, RequestExtras
-from kvtier.keys import chain_seed, child_key
+from kvtier.keys import chain_seed, child_key, tail_lookup_step
 
 SPECS = [
     {"name": f"{b}-{d}-{c}-{dur}", "backend": b, "dtype": d, "compression": c, "durability": dur}
@@ -127,6 +127,15 @@ def test_a_tail_saved_at_a_finer_granularity_is_found_by_a_coarser_reader(tmp_pa
         assert cache.lookup(toks) == 112
         assert same_bits(cache.load(toks), make_kv(toks[:112]))
         assert cache.lookup(toks[:100]) == 64  # a tail is found only where its tokens are
+    # lengths tried every 16 tokens, or every block where blocks are smaller: a tail saved at
+    # 8 of a length that is not a multiple of 16 is not found at 16 (the documented limit)
+    assert [tail_lookup_step(g) for g in (1, 8, 16, 32, 64, 128)] == [1, 8, 16, 16, 16, 16]
+    odd = tokens(5, 64 + 27)  # a tail of 27: saved as 24 at granularity 8
+    with open_cache(tmp_path / "s", backend, ns, tail=8) as cache:
+        cache.save(odd, make_kv(odd))
+        assert cache.lookup(odd) == 88
+    with open_cache(tmp_path / "s", backend, ns, tail=16) as cache:
+        assert cache.lookup(odd) == 64
 
 
 def test_request_extras_isolate(tmp_path: Path, backend: str) -> None:
