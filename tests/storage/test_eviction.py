@@ -12,6 +12,7 @@ import pytest
 from kvhelpers import CHUNK, config, make_kv, open_cache, same_bits, tokens
 
 from kvtier import ChunkStore, KVCache, codec
+from kvtier.backends.base import EVICT_LOW_WATERMARK
 
 CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # one bf16 chunk
 RECORD = codec._FIXED.size + 8 * 5 + 8 + CHUNK_BYTES  # header + payload of one chunk
@@ -137,12 +138,18 @@ def test_a_lowered_budget_holds_without_waiting_for_a_save(tmp_path: Path, backe
         occupied = cache.store.backend.occupied()
     monkeypatch.setattr(kvtier.store, "_ENFORCE_STEP_BYTES", 2 * occupied // 12)  # two records a step
     with open_cache(store, backend, disk_bytes=occupied // 2) as cache:
+        def kept_now() -> list[int]:
+            return [i for i in range(12) if cache.lookup(_seq("A", i))]
+
+        # done once under the low watermark, and counted (after the payloads are removed):
+        # half the budget is passed a step before the eviction ends
+        low = int(occupied // 2 * EVICT_LOW_WATERMARK)
         deadline = time.monotonic() + 20
-        while ((cache.store.backend.occupied() > occupied // 2 or not cache.stats()["evicted_disk"])
-               and time.monotonic() < deadline):  # (counted once the payloads are removed too)
+        while ((cache.store.backend.occupied() > low or cache.stats()["evicted_disk"] != 12 - len(kept_now()))
+               and time.monotonic() < deadline):
             time.sleep(0.05)
-        assert cache.store.backend.occupied() <= occupied // 2
-        kept = [i for i in range(12) if cache.lookup(_seq("A", i))]
+        assert cache.store.backend.occupied() <= low
+        kept = kept_now()
         assert kept == list(range(12 - len(kept), 12)) and 0 < len(kept) < 6, kept  # the newest
         assert cache.stats()["evicted_disk"] == 12 - len(kept) and cache.stats()["saves_committed"] == 0
         assert len(commits) >= 3, commits
