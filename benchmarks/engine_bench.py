@@ -8,7 +8,13 @@ Compares, side by side in one run on the same tiny local model (random weights, 
   * a conversation's second turn (the first turn, its answer and a new message) in a fresh
     engine: TTFT with no connector, with kvtier saving prompts only (the default), and with
     ``save_decode_chunks`` (the answer's chunks saved too); and the first turn's generation
-    time with each, which is what saving the answer costs.
+    time with each, which is what saving the answer costs,
+  * a workload under KV-memory pressure: prompts whose prefixes are stored, answered at
+    length by more requests than vLLM's KV memory holds, so that vLLM preempts some while
+    they decode and recomputes them when they resume (its own prefix cache off, as when
+    their freed blocks were reused): the time it takes with no connector, with kvtier (a
+    resumed request loads its prompt again) and with ``save_decode_chunks`` (its answer's
+    chunks too).
 Each "fresh engine" is a new engine in this process (vLLM in-process mode); the store's files
 may still be in the page cache (warm) unless --drop-caches is given (needs root).
 
@@ -49,6 +55,7 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true")
     ap.add_argument("--turn-tokens", type=int, default=2048, help="the conversation's first prompt")
     ap.add_argument("--answer-tokens", type=int, default=1024, help="the first turn's answer")
+    ap.add_argument("--pressure-prompts", type=int, default=4, help="requests of the KV-pressure workload")
     ap.add_argument("--backends", nargs="+", default=["files"], choices=["files", "lmdb"],
                     help="kvtier backends to run side by side (default: files, the default backend)")
     args = ap.parse_args()
@@ -122,6 +129,7 @@ def main() -> None:
                 tput[name].append(len(distinct) * (1024 + 32) / (time.perf_counter() - t0))
 
     conv = conversation(model, work, opts, warm, args)
+    pressed = pressure(model, work, warm, args)
 
     base = rows[0][1]
     print(f"\nprompt {args.tokens} tokens, median of {args.repeat}; model: 4 layers, hidden 512, "
@@ -145,7 +153,62 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, t, c, same, gen in conv:
         print(f"| {name} | {t:.3f} | {first / t:.2f}x | {c} | {same} | {gen:.2f} | {gen / conv[0][4]:.3f}x |")
+    print(f"\n| KV-memory pressure ({args.pressure_prompts} x {args.turn_tokens}-token prompts stored before, "
+          f"{args.answer_tokens // 2} new tokens each, KV memory for about 1.6 of them), median of "
+          f"{args.repeat} | seconds | vs no connector | preemptions | tokens loaded | same output |")
+    print("|---|---|---|---|---|---|")
+    for name, t, n_pre, loaded, same in pressed:
+        print(f"| {name} | {t:.2f} | {pressed[0][1] / t:.2f}x | {n_pre} | {loaded} | {same} |")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def pressure(model: Path, work: Path, warm: list[int],
+             args: argparse.Namespace) -> list[tuple[str, float, int, int, bool]]:
+    """Requests preempted for lack of KV memory while they decode: (name, seconds for the
+    whole batch, preemptions, tokens kvtier loaded, same output as without a connector),
+    medians of ``args.repeat`` interleaved rounds. The prompts' prefixes were saved by an
+    earlier engine (a shared document, a system prompt)."""
+    from kvtier.testing.engine import Engine, kv_transfer_config
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 2000) for _ in range(args.turn_tokens)] for _ in range(args.pressure_prompts)]
+    new_tokens = args.answer_tokens // 2
+    per_request = args.turn_tokens + new_tokens
+    # 4 KiB per token for this model (4 layers x 4 KV heads x 64 x K and V, bf16)
+    opts = {"max_model_len": per_request + 64, "max_num_batched_tokens": args.turn_tokens + 64,
+            "kv_cache_memory_bytes": int(1.6 * per_request) * 4096, "enable_prefix_caching": False}
+    configs = {"no connector": None, "kvtier (prompts stored)": {},
+               "kvtier, save_decode_chunks": {"save_decode_chunks": True}}
+    samples: dict[str, list[tuple[float, int, int, bool]]] = {name: [] for name in configs}
+    base: list[list[int]] | None = None
+    for rnd in range(args.repeat):
+        for name, extra in configs.items():
+            cfg = None
+            if extra is not None:
+                cfg = kv_transfer_config(work / f"pressure-{rnd}-{list(configs).index(name)}", **extra)
+                with Engine(model, cfg, **opts) as e:  # the prompts, saved earlier
+                    e.generate(prompts, max_tokens=1)
+                    e.worker_connector._store.flush()
+            with Engine(model, cfg, **opts) as e:
+                preempted = []
+                preempt = e.scheduler._preempt_request
+
+                def counting(request: object, *a: object, _p=preempt, _l=preempted, **k: object) -> object:
+                    _l.append(request)
+                    return _p(request, *a, **k)
+
+                e.scheduler._preempt_request = counting
+                e.generate([warm], max_tokens=1)
+                side = e.scheduler_connector._sched if cfg is not None else None
+                before = side.hit_tokens if side is not None else 0
+                t0 = time.perf_counter()
+                out = [r.tokens for r in e.generate(prompts, max_tokens=new_tokens)]
+                t = time.perf_counter() - t0
+                loaded = side.hit_tokens - before if side is not None else 0
+            base = base or out
+            samples[name].append((t, len(preempted), loaded, out == base))
+    return [(name, statistics.median(x[0] for x in v), v[0][1], v[0][2], all(x[3] for x in v))
+            for name, v in samples.items()]
 
 
 def conversation(model: Path, work: Path, opts: dict, warm: list[int],

@@ -382,7 +382,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
-            try:
+            try:  # (failures first: a load reported failed is also reported done)
+                self._sched.loads_failed(connector_output.invalid_block_ids or set())
                 self._sched.loads_finished(connector_output.finished_recving or ())
             except Exception as exc:  # (a lease not released expires by itself)
                 log.warning("kvtier: releasing finished loads failed: %s", exc)

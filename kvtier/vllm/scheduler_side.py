@@ -53,15 +53,21 @@ class _Request:
     request: Any = None  # vLLM's request, whose token ids grow with its output (save_decode)
     next_save: int = 0
     block_ids: list[int] = field(default_factory=list)
-    loads_started: int = 0
+    # a load of this request failed (vLLM reported its blocks invalid): it is not promised
+    # again, since a chunk that failed to load may fail again (an I/O error leaves it stored)
+    load_failed: bool = False
     # the keys of the chunks the last lookup found stored on every rank: their saves are
     # skipped (the worker then reads no index on the model's thread)
     stored: set[tuple[bytes, ...]] = field(default_factory=set)
     # a longer stored tail that holds the prompt's own tail (saved at a smaller block size)
     tail_held_by: tuple[bytes, ...] = ()
-    # the tail lengths the last lookup tried, and where they start (vLLM asks again each step
-    # while a request waits; with 2048-token chunks hashing them costs ~0.5 ms per rank)
-    tail_candidates: tuple[int, list[RankedChunk]] | None = None
+    # the tail lengths the last lookup tried, where they start and the length of the tokens
+    # they come from (vLLM asks again each step while a request waits; with 2048-token chunks
+    # hashing them costs ~0.5 ms per rank)
+    tail_candidates: tuple[tuple[int, int], list[RankedChunk]] | None = None
+    # the prompt and output tokens a resumed request's lookups match (with save_decode; kept
+    # while it waits: converting a 128k-token list costs ~1.4 ms)
+    sequence: np.ndarray | None = None
 
     @property
     def full(self) -> list[RankedChunk]:
@@ -121,6 +127,9 @@ class SchedulerSide:
         self._leases: dict[str, tuple[tuple[bytes, ...], float, Lease]] = {}
         # req -> steps it must still be scheduled before its synchronous load is surely done
         self._sync_loading: dict[str, int] = {}
+        # req -> the blocks its load in flight fills (until vLLM reports it done, or, for a
+        # synchronous one, until its errors would have been reported): whose load failed
+        self._loading: dict[str, set[int]] = {}
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -181,14 +190,27 @@ class SchedulerSide:
                   and hits[-1].start == tail.start and hits[-1].end > tail.end)
         st.tail_held_by = hits[-1].keys if longer else ()
 
-    def _match(self, st: _Request) -> list[RankedChunk]:
+    def _sequence(self, st: _Request) -> tuple[np.ndarray, list[RankedChunk]]:
+        """The tokens a lookup matches and their full chunks: the prompt's, or, with
+        ``save_decode``, also the output's so far (a preempted request resumes with the
+        answer it had: the chunks of it that were saved are loaded too)."""
+        if st.request is None or len(st.request.all_token_ids) <= len(st.tokens):
+            return st.tokens, st.full
+        self._add_output_chunks(st)
+        full = st.full + [c for c in st.to_save[st.n_full:] if c.end - c.start == self.chunk_tokens]
+        if st.sequence is None or len(st.sequence) != len(st.request.all_token_ids):
+            st.sequence = as_token_array(st.request.all_token_ids)
+        return st.sequence, full
+
+    def _match(self, st: _Request, tokens: np.ndarray, full: list[RankedChunk]) -> list[RankedChunk]:
         def candidates(tokens: np.ndarray, parents: tuple[bytes, ...], start: int, chunk_tokens: int,
-                       granularity: int) -> list[RankedChunk]:  # (the same for a given start)
-            if st.tail_candidates is None or st.tail_candidates[0] != start:
-                st.tail_candidates = (start, tail_candidates(tokens, parents, start, chunk_tokens, granularity))
+                       granularity: int) -> list[RankedChunk]:  # (the same for the same start and tokens)
+            if st.tail_candidates is None or st.tail_candidates[0] != (start, len(tokens)):
+                st.tail_candidates = ((start, len(tokens)),
+                                      tail_candidates(tokens, parents, start, chunk_tokens, granularity))
             return st.tail_candidates[1]
 
-        return match_prefix(st.tokens, st.seeds, st.full, self.chunk_tokens,
+        return match_prefix(tokens, st.seeds, full, self.chunk_tokens,
                             self.block_size if self.save_partial else None,
                             lambda chunks: self._present(st, chunks), self._present_each, candidates)
 
@@ -201,15 +223,17 @@ class SchedulerSide:
         st = self._state(request)
         if st is None:
             return 0, False
-        # One external load per request (``loads_started``): if it failed (a chunk vanished
-        # or was corrupt), asking again could promise the same bad chunk forever; recompute
-        # instead. Still look up which of its chunks are stored, so that their saves are skipped.
-        if not self.can_load or st.loads_started:
+        tokens, full = self._sequence(st)
+        # A request asks again after a preemption (or a load that failed): it may load again,
+        # unless a load of it failed; asking again could promise the same bad chunk forever
+        # (an I/O error leaves it stored), so it recomputes instead. Still look up which of
+        # its chunks are stored, so that their saves are skipped.
+        if not self.can_load or st.load_failed:
             if self.can_save:
-                self._note_stored(st, self._match(st))
+                self._note_stored(st, self._match(st, tokens, full))
             return 0, False
         self.lookups += 1
-        hits = self._match(st)
+        hits = self._match(st, tokens, full)
         self._note_stored(st, hits)
         bs = self.block_size
         if not self.can_save:  # what vLLM's own cache served is a use (see KVTierMetadata.uses):
@@ -217,7 +241,7 @@ class SchedulerSide:
             self._uses.extend(c.keys for c in hits if c.start < c.end // bs * bs <= num_computed_tokens)
         # Leave at least one prompt token to compute; stay block aligned (a tail saved at a
         # smaller block size may end inside a block: its whole blocks are loaded).
-        end = min(hits[-1].end // bs * bs if hits else 0, (len(st.tokens) - 1) // bs * bs)
+        end = min(hits[-1].end // bs * bs if hits else 0, (len(tokens) - 1) // bs * bs)
         if end <= num_computed_tokens:
             return 0, False
         plan = [(c, min(c.end, end) - c.start) for c in hits if c.end > num_computed_tokens and c.start < end]
@@ -226,7 +250,6 @@ class SchedulerSide:
         if plan:
             self._lease(request.request_id, plan[-1][0].keys)
         self._plans[request.request_id] = (num_computed_tokens, plan)
-        self.hit_tokens += end - num_computed_tokens
         return end - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -235,9 +258,7 @@ class SchedulerSide:
             self._release(request.request_id)  # vLLM loads nothing after all
             return
         load_start, plan = planned
-        st = self._reqs.get(request.request_id)
-        if st is not None:
-            st.loads_started += 1
+        self.hit_tokens += num_external_tokens
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.block_size
         chunks = []
@@ -249,6 +270,7 @@ class SchedulerSide:
             chunks.append(ChunkLoad(c.keys, c.start, c.end - c.start, (begin - c.start) // bs,
                                     block_ids[begin // bs : end // bs]))
         self._loads.append(LoadSpec(request.request_id, chunks, sync=not self.load_async))
+        self._loading[request.request_id] = {b for c in chunks for b in c.block_ids}
         if not self.load_async:
             # read during the step that first runs the request; with asynchronous scheduling
             # the step after it is planned while that one runs
@@ -337,6 +359,17 @@ class SchedulerSide:
         for req_id in req_ids:
             self._release(req_id)
 
+    def loads_failed(self, invalid_block_ids: set[int]) -> None:
+        """vLLM reports these blocks' loads failed (it recomputes them): the requests whose
+        loads in flight fill them are not promised a load again. (Reported no later than
+        their loads are done, on every rank, so before ``_release`` forgets the blocks.)"""
+        if not invalid_block_ids:
+            return
+        for req_id, blocks in self._loading.items():
+            st = self._reqs.get(req_id)
+            if st is not None and not blocks.isdisjoint(invalid_block_ids):
+                st.load_failed = True
+
     def _lease(self, req_id: str, keys: tuple[bytes, ...]) -> None:
         old = self._leases.get(req_id)
         if old is not None and old[0] == keys and time.monotonic() - old[1] < LOAD_LEASE_S / 2:
@@ -349,6 +382,7 @@ class SchedulerSide:
         """The request's load is over (done, failed, or never to happen): end its lease, so
         that the chunks it promised are evicted in LRU order again, not kept for minutes."""
         self._sync_loading.pop(req_id, None)
+        self._loading.pop(req_id, None)
         held = self._leases.pop(req_id, None)
         if held is not None:
             self.store.release(held[2])

@@ -195,3 +195,96 @@ def test_a_preempted_request_resumed_as_new_plans_the_saves_it_recomputes(store_
         assert step(256, 344) == [256]
     finally:
         view.close()
+
+
+def _observe(e: Engine) -> tuple[list[str], dict[str, list[int]]]:
+    """The requests vLLM preempts, and the tokens kvtier loads for each request (in order),
+    observed on the real scheduler without changing what it does."""
+    preempted: list[str] = []
+    loads: dict[str, list[int]] = {}
+    preempt = e.scheduler._preempt_request
+    side = e.scheduler_connector._sched
+    alloc = side.update_state_after_alloc
+
+    def counting_preempt(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    def counting_alloc(request, blocks, num_external_tokens):
+        if num_external_tokens:
+            loads.setdefault(request.request_id, []).append(num_external_tokens)
+        return alloc(request, blocks, num_external_tokens)
+
+    e.scheduler._preempt_request = counting_preempt
+    side.update_state_after_alloc = counting_alloc
+    return preempted, loads
+
+
+# Two 1000-token prompts answered with 520 tokens each do not fit in this KV memory
+# together: one is preempted while it decodes. vLLM's own prefix cache is off, as when the
+# blocks a preempted request freed were reused before it resumed: only kvtier has its KV.
+# float32: the output does not depend on the schedule (see the preemption test above).
+PREEMPTING = {"max_num_batched_tokens": 512, "kv_cache_memory_bytes": 3 << 20, "max_model_len": 2048,
+              "max_num_seqs": 2, "dtype": "float32", "enable_prefix_caching": False}
+
+
+def test_a_preempted_request_loads_its_prefix_and_answer_again(tiny_model: Path, store_dir: Path) -> None:
+    """A request preempted after its prompt (and, with ``save_decode_chunks``, the chunks its
+    answer completed) were saved loads them when it resumes, instead of recomputing them
+    all: also when it loaded its prompt before. (It used to get one external load in its
+    life, and to look up its prompt only.)"""
+    prompts = [tokens(1000, seed=95 + i) for i in range(2)]
+    with Engine(tiny_model, **PREEMPTING) as e:
+        base = [r.tokens for r in e.generate(prompts, max_tokens=520)]
+    cfg = kv_transfer_config(store_dir, save_decode_chunks=True)
+    for first_load in ([], [992]):  # a fresh store; then, after a restart, the prompt is stored
+        with Engine(tiny_model, cfg, **PREEMPTING) as e:
+            preempted, loads = _observe(e)
+            got = e.generate(prompts, max_tokens=520)
+            _assert_no_leaks(e)
+        assert [r.tokens for r in got] == base
+        assert preempted, "the KV memory was meant to be small enough to preempt a request"
+        for req_id in preempted:
+            # then past the prompt's 3 chunks (768 tokens): the answer's chunks saved before
+            assert loads[req_id][:-1] == first_load and loads[req_id][-1] >= 1024, loads
+            assert loads[req_id][-1] % 256 == 0
+
+
+def test_a_request_whose_load_failed_is_not_promised_a_load_again(tiny_model: Path, store_dir: Path) -> None:
+    """Every record read fails with an I/O error (the record stays stored). vLLM recomputes
+    the blocks and asks the connector again; promising the same chunks again would fail
+    the same way, for ever. Each request is promised one load, and the output is right."""
+    import errno
+
+    prompts = [tokens(700, seed=97 + i) for i in range(2)]
+    with Engine(tiny_model) as e:
+        base = [r.tokens for r in e.generate(prompts, max_tokens=8)]
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        e.generate(prompts, max_tokens=8)
+        assert e.worker_connector._store.flush(30)
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        backend = e.worker_connector._store.backend
+
+        def failing_read(entry, fn):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+
+        backend.read_record = failing_read
+        side = e.scheduler_connector._sched
+        asked = side.get_num_new_matched_tokens
+        promised: dict[str, int] = {}
+
+        def counting_ask(request, num_computed_tokens):
+            if promised.get(request.request_id, 0) >= 3:  # (the bug: a loop; end it, and fail below)
+                return 0, False
+            n, is_async = asked(request, num_computed_tokens)
+            if n:
+                promised[request.request_id] = promised.get(request.request_id, 0) + 1
+            return n, is_async
+
+        side.get_num_new_matched_tokens = counting_ask
+        got = e.generate(prompts, max_tokens=8)
+        stats = e.worker_connector._store.counters.snapshot()
+        _assert_no_leaks(e)
+    assert [r.tokens for r in got] == base
+    assert stats["io_errors"] >= 2 and stats["corrupt_records"] == 0
+    assert sorted(promised.values()) == [1, 1], promised
