@@ -18,7 +18,7 @@ Compares, side by side in one run on the same tiny local model (random weights, 
 Each "fresh engine" is a new engine in this process (vLLM in-process mode); the store's files
 may still be in the page cache (warm) unless --drop-caches is given (needs root).
 
-    .venv/bin/python benchmarks/engine_bench.py [--tokens 8192] [--drop-caches]
+    .venv/bin/python benchmarks/engine_bench.py [--tokens 8192] [--drop-caches] [--only pressure ...]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+SECTIONS = ("restart", "no-reuse", "conversation", "pressure")
 
 
 def drop_caches(enabled: bool) -> str:
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true")
     ap.add_argument("--turn-tokens", type=int, default=2048, help="the conversation's first prompt")
     ap.add_argument("--answer-tokens", type=int, default=1024, help="the first turn's answer")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="the workloads to run (default: all)")
     ap.add_argument("--pressure-prompts", type=int, default=4, help="requests of the KV-pressure workload")
     ap.add_argument("--backends", nargs="+", default=["files"], choices=["files", "lmdb"],
                     help="kvtier backends to run side by side (default: files, the default backend)")
@@ -85,87 +88,96 @@ def main() -> None:
         return times, cached, outs
 
     rows: list[tuple[str, float, int, bool]] = []
-    with Engine(model, **opts) as e:
-        base_t, _, base_out = ttfts(e)
-    rows.append(("no connector (prefill)", statistics.median(base_t), 0, True))
+    tput: dict[str, list[float]] = {}
+    if "restart" in args.only:
+        with Engine(model, **opts) as e:
+            base_t, _, base_out = ttfts(e)
+        rows.append(("no connector (prefill)", statistics.median(base_t), 0, True))
 
-    for backend in args.backends:
-        store = work / f"kvtier-store-{backend}"
-        tag = f"kvtier ({backend})"
-        with Engine(model, kv_transfer_config(store, backend=backend), **opts) as e:
+        for backend in args.backends:
+            store = work / f"kvtier-store-{backend}"
+            tag = f"kvtier ({backend})"
+            with Engine(model, kv_transfer_config(store, backend=backend), **opts) as e:
+                t, c, o = ttfts(e)
+            rows.append((f"{tag}, empty store (prefill + save)", statistics.median(t), c[0], o == base_out))
+            state = drop_caches(args.drop_caches)
+            with Engine(model, kv_transfer_config(store), **opts) as e:
+                t, c, o = ttfts(e)
+            rows.append((f"{tag}, fresh engine ({state} store)", statistics.median(t), c[0], o == base_out))
+            state = drop_caches(args.drop_caches)
+            with Engine(model, kv_transfer_config(store, load_async=False), **opts) as e:
+                t, c, o = ttfts(e)
+            rows.append((f"{tag} load_async=false, fresh engine ({state} store)", statistics.median(t), c[0],
+                         o == base_out))
+
+        ex_dir = work / "example-store"
+        ex_cfg = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                  kv_connector_extra_config={"shared_storage_path": str(ex_dir)})
+        with Engine(model, ex_cfg, **opts) as e:
             t, c, o = ttfts(e)
-        rows.append((f"{tag}, empty store (prefill + save)", statistics.median(t), c[0], o == base_out))
+        rows.append(("ExampleConnector, empty store", statistics.median(t), c[0], o == base_out))
         state = drop_caches(args.drop_caches)
-        with Engine(model, kv_transfer_config(store), **opts) as e:
+        with Engine(model, ex_cfg, **opts) as e:
             t, c, o = ttfts(e)
-        rows.append((f"{tag}, fresh engine ({state} store)", statistics.median(t), c[0], o == base_out))
-        state = drop_caches(args.drop_caches)
-        with Engine(model, kv_transfer_config(store, load_async=False), **opts) as e:
-            t, c, o = ttfts(e)
-        rows.append((f"{tag} load_async=false, fresh engine ({state} store)", statistics.median(t), c[0],
-                     o == base_out))
+        rows.append((f"ExampleConnector, fresh engine ({state})", statistics.median(t), c[0], o == base_out))
 
-    ex_dir = work / "example-store"
-    ex_cfg = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"shared_storage_path": str(ex_dir)})
-    with Engine(model, ex_cfg, **opts) as e:
-        t, c, o = ttfts(e)
-    rows.append(("ExampleConnector, empty store", statistics.median(t), c[0], o == base_out))
-    state = drop_caches(args.drop_caches)
-    with Engine(model, ex_cfg, **opts) as e:
-        t, c, o = ttfts(e)
-    rows.append((f"ExampleConnector, fresh engine ({state})", statistics.median(t), c[0], o == base_out))
+    if "no-reuse" in args.only:
+        distinct = [[rng.randrange(3, 2000) for _ in range(1024)] for _ in range(args.no_reuse_prompts)]
+        tput = {"no connector": [], **{f"kvtier ({b})": [] for b in args.backends}}
+        for rnd in range(args.repeat):  # interleaved rounds: this machine's speed drifts
+            for name in tput:
+                backend = name[len("kvtier ("):-1] if name.startswith("kvtier") else None
+                cfg = kv_transfer_config(work / f"noreuse-{backend}-{rnd}", backend=backend) if backend else None
+                with Engine(model, cfg, **opts) as e:
+                    e.generate([warm], max_tokens=1)
+                    t0 = time.perf_counter()
+                    e.generate(distinct, max_tokens=32)
+                    tput[name].append(len(distinct) * (1024 + 32) / (time.perf_counter() - t0))
 
-    distinct = [[rng.randrange(3, 2000) for _ in range(1024)] for _ in range(args.no_reuse_prompts)]
-    tput: dict[str, list[float]] = {"no connector": [], **{f"kvtier ({b})": [] for b in args.backends}}
-    for rnd in range(args.repeat):  # interleaved rounds: this machine's speed drifts
-        for name in tput:
-            backend = name[len("kvtier ("):-1] if name.startswith("kvtier") else None
-            cfg = kv_transfer_config(work / f"noreuse-{backend}-{rnd}", backend=backend) if backend else None
-            with Engine(model, cfg, **opts) as e:
-                e.generate([warm], max_tokens=1)
-                t0 = time.perf_counter()
-                e.generate(distinct, max_tokens=32)
-                tput[name].append(len(distinct) * (1024 + 32) / (time.perf_counter() - t0))
+    conv = conversation(model, work, opts, warm, args) if "conversation" in args.only else []
+    pressed = pressure(model, work, warm, args) if "pressure" in args.only else []
 
-    conv = conversation(model, work, opts, warm, args)
-    pressed = pressure(model, work, warm, args)
-
-    base = rows[0][1]
-    print(f"\nprompt {args.tokens} tokens, median of {args.repeat}; model: 4 layers, hidden 512, "
-          "8 heads (4 KV), bf16, CPU backend\n")
-    print("| configuration | TTFT (s) | vs no connector | cached tokens | same output |")
-    print("|---|---|---|---|---|")
-    for name, t, c, same in rows:
-        print(f"| {name} | {t:.3f} | {base / t:.2f}x | {c} | {same} |")
-    print(f"\n| no-reuse workload ({args.no_reuse_prompts} x 1024-token prompts, 32 new tokens) "
-          "| tokens/s, median (range) | vs no connector |")
-    print("|---|---|---|")
-    ref = statistics.median(tput["no connector"])
-    for name, v in tput.items():
-        print(f"| {name} | {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f}) | "
-              f"{statistics.median(v) / ref:.3f}x |")
-    first = conv[0][1]
-    turn2 = args.turn_tokens + args.answer_tokens + 256
-    print(f"\n| conversation: second turn ({turn2} tokens: a {args.turn_tokens}-token turn, its "
-          f"{args.answer_tokens}-token answer, 256 new) after a restart, median of {args.repeat} | TTFT (s) "
-          "| vs no connector | cached tokens | same output | first turn's generation (s) | vs no connector |")
-    print("|---|---|---|---|---|---|---|")
-    for name, t, c, same, gen in conv:
-        print(f"| {name} | {t:.3f} | {first / t:.2f}x | {c} | {same} | {gen:.2f} | {gen / conv[0][4]:.3f}x |")
-    print(f"\n| KV-memory pressure ({args.pressure_prompts} x {args.turn_tokens}-token prompts stored before, "
-          f"{args.answer_tokens // 2} new tokens each, KV memory for about 1.6 of them), median of "
-          f"{args.repeat} | seconds | vs no connector | preemptions | tokens loaded | same output |")
-    print("|---|---|---|---|---|---|")
-    for name, t, n_pre, loaded, same in pressed:
-        print(f"| {name} | {t:.2f} | {pressed[0][1] / t:.2f}x | {n_pre} | {loaded} | {same} |")
+    if rows:
+        base = rows[0][1]
+        print(f"\nprompt {args.tokens} tokens, median of {args.repeat}; model: 4 layers, hidden 512, "
+              "8 heads (4 KV), bf16, CPU backend\n")
+        print("| configuration | TTFT (s) | vs no connector | cached tokens | same output |")
+        print("|---|---|---|---|---|")
+        for name, t, c, same in rows:
+            print(f"| {name} | {t:.3f} | {base / t:.2f}x | {c} | {same} |")
+    if tput:
+        print(f"\n| no-reuse workload ({args.no_reuse_prompts} x 1024-token prompts, 32 new tokens) "
+              "| tokens/s, median (range) | vs no connector |")
+        print("|---|---|---|")
+        ref = statistics.median(tput["no connector"])
+        for name, v in tput.items():
+            print(f"| {name} | {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f}) | "
+                  f"{statistics.median(v) / ref:.3f}x |")
+    if conv:
+        first = conv[0][1]
+        turn2 = args.turn_tokens + args.answer_tokens + 256
+        print(f"\n| conversation: second turn ({turn2} tokens: a {args.turn_tokens}-token turn, its "
+              f"{args.answer_tokens}-token answer, 256 new) after a restart, median of {args.repeat} | TTFT (s) "
+              "| vs no connector | cached tokens | same output | first turn's generation (s) | vs no connector |")
+        print("|---|---|---|---|---|---|---|")
+        for name, t, c, same, gen in conv:
+            print(f"| {name} | {t:.3f} | {first / t:.2f}x | {c} | {same} | {gen:.2f} | {gen / conv[0][4]:.3f}x |")
+    if pressed:
+        print(f"\n| KV-memory pressure ({args.pressure_prompts} x {args.turn_tokens}-token prompts stored before, "
+              f"{args.answer_tokens // 2} new tokens each, KV memory for about 1.6 of them), median of "
+              f"{args.repeat} | seconds | vs no connector | preemptions | tokens loaded | tokens computed "
+              "| same output |")
+        print("|---|---|---|---|---|---|---|")
+        for name, t, n_pre, loaded, done, same in pressed:
+            print(f"| {name} | {t:.2f} | {pressed[0][1] / t:.2f}x | {n_pre} | {loaded} | {done} | {same} |")
     shutil.rmtree(work, ignore_errors=True)
 
 
 def pressure(model: Path, work: Path, warm: list[int],
-             args: argparse.Namespace) -> list[tuple[str, float, int, int, bool]]:
+             args: argparse.Namespace) -> list[tuple[str, float, int, int, int, bool]]:
     """Requests preempted for lack of KV memory while they decode: (name, seconds for the
-    whole batch, preemptions, tokens kvtier loaded, same output as without a connector),
+    whole batch, preemptions, tokens kvtier loaded, tokens the model computed (in the first
+    round), same output as without a connector),
     medians of ``args.repeat`` interleaved rounds. The prompts' prefixes were saved by an
     earlier engine (a shared document, a system prompt)."""
     from kvtier.testing.engine import Engine, kv_transfer_config
@@ -174,12 +186,15 @@ def pressure(model: Path, work: Path, warm: list[int],
     prompts = [[rng.randrange(3, 2000) for _ in range(args.turn_tokens)] for _ in range(args.pressure_prompts)]
     new_tokens = args.answer_tokens // 2
     per_request = args.turn_tokens + new_tokens
-    # 4 KiB per token for this model (4 layers x 4 KV heads x 64 x K and V, bf16)
+    # float32, so that the output does not depend on the schedule (bf16 matmuls round
+    # differently for different batches, and preemptions change them): a difference is a KV
+    # error. 8 KiB per token for this model (4 layers x 4 KV heads x 64 x K and V).
     opts = {"max_model_len": per_request + 64, "max_num_batched_tokens": args.turn_tokens + 64,
-            "kv_cache_memory_bytes": int(1.6 * per_request) * 4096, "enable_prefix_caching": False}
+            "kv_cache_memory_bytes": int(1.6 * per_request) * 8192, "enable_prefix_caching": False,
+            "dtype": "float32"}
     configs = {"no connector": None, "kvtier (prompts stored)": {},
                "kvtier, save_decode_chunks": {"save_decode_chunks": True}}
-    samples: dict[str, list[tuple[float, int, int, bool]]] = {name: [] for name in configs}
+    samples: dict[str, list[tuple[float, int, int, int, bool]]] = {name: [] for name in configs}
     base: list[list[int]] | None = None
     for rnd in range(args.repeat):
         for name, extra in configs.items():
@@ -198,7 +213,17 @@ def pressure(model: Path, work: Path, warm: list[int],
                     return _p(request, *a, **k)
 
                 e.scheduler._preempt_request = counting
+                computed = [0]  # tokens the model computed: prefills, recomputes and decodes
+                schedule = e.scheduler.schedule
+
+                def counting_schedule(*a: object, _s=schedule, _c=computed, **k: object) -> object:
+                    out = _s(*a, **k)
+                    _c[0] += out.total_num_scheduled_tokens
+                    return out
+
+                e.scheduler.schedule = counting_schedule
                 e.generate([warm], max_tokens=1)
+                computed[0] = 0
                 side = e.scheduler_connector._sched if cfg is not None else None
                 before = side.hit_tokens if side is not None else 0
                 t0 = time.perf_counter()
@@ -206,8 +231,8 @@ def pressure(model: Path, work: Path, warm: list[int],
                 t = time.perf_counter() - t0
                 loaded = side.hit_tokens - before if side is not None else 0
             base = base or out
-            samples[name].append((t, len(preempted), loaded, out == base))
-    return [(name, statistics.median(x[0] for x in v), v[0][1], v[0][2], all(x[3] for x in v))
+            samples[name].append((t, len(preempted), loaded, computed[0], out == base))
+    return [(name, statistics.median(x[0] for x in v), v[0][1], v[0][2], v[0][3], all(x[4] for x in v))
             for name, v in samples.items()]
 
 

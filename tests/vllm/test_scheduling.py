@@ -288,3 +288,47 @@ def test_a_request_whose_load_failed_is_not_promised_a_load_again(tiny_model: Pa
     assert [r.tokens for r in got] == base
     assert stats["io_errors"] >= 2 and stats["corrupt_records"] == 0
     assert sorted(promised.values()) == [1, 1], promised
+
+
+def test_a_failed_load_marks_only_the_request_whose_blocks_it_filled(tmp_path: Path) -> None:
+    """vLLM reports failed loads as block ids, and a block is reused once a load is over: a
+    request whose load finished is not blamed for a later load that fails in its old blocks
+    (it still loads when it resumes), and the request whose load did fail is not promised
+    one again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvtier import CacheConfig, ChunkStore, Namespace
+    from kvtier.keys import as_token_array, chain_seed, chunk_keys
+    from kvtier.store_view import StoreView
+    from kvtier.vllm.identity import LoraFingerprints
+    from kvtier.vllm.scheduler_side import SchedulerSide
+
+    ns = Namespace(model="m", weights_fingerprint="w", dtype="bfloat16", kv_shape=(2, 2, 1, 32), chunk_tokens=64)
+    prompts = {"a": tokens(200, seed=9), "b": tokens(200, seed=10)}
+    kv = torch.zeros(2, 2, 64, 1, 32, dtype=torch.bfloat16)
+    with ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, host_bytes=0)) as store:
+        for prompt in prompts.values():
+            for ref in chunk_keys(as_token_array(prompt), chain_seed(ns), 64, None):
+                store.put(ref.key, kv.clone(), namespace_id=ns.id, token_start=ref.start, num_tokens=64)
+        assert store.flush(10)
+        view = StoreView(store.config)
+        try:
+            side = SchedulerSide(view, [ns], 32, LoraFingerprints(None), can_load=True, can_save=True,
+                                 save_partial=False)
+            reqs = {k: SimpleNamespace(request_id=k, prompt_token_ids=p, cache_salt=None, lora_request=None,
+                                       mm_features=[], prompt_embeds=None) for k, p in prompts.items()}
+            blocks = SimpleNamespace(get_block_ids=lambda: (list(range(7)),))  # both get blocks 0-6
+
+            assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, True)
+            side.update_state_after_alloc(reqs["a"], blocks, 192)
+            side.loads_finished(["a"])  # a's load is over: its blocks may go to b
+            assert side.get_num_new_matched_tokens(reqs["b"], 0) == (192, True)
+            side.update_state_after_alloc(reqs["b"], blocks, 192)
+            side.loads_failed({3})
+            side.loads_finished(["b"])
+            assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, True)  # a, preempted, loads again
+            assert side.get_num_new_matched_tokens(reqs["b"], 0) == (0, False)  # b recomputes
+        finally:
+            view.close()
