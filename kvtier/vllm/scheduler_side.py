@@ -131,7 +131,7 @@ class SchedulerSide:
         # synchronous one, until its errors would have been reported): whose load failed
         self._loading: dict[str, set[int]] = {}
         self.lookups = 0
-        self.hit_tokens = 0
+        self.hit_tokens = 0  # tokens vLLM allocated for loads (a load that failed included)
 
     # -- per-request keys ------------------------------------------------------------
     def _state(self, request: Any) -> _Request | None:
@@ -279,6 +279,12 @@ class SchedulerSide:
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads, namespace_ids=self.namespace_ids, uses=self._uses)
         self._loads, self._uses = [], []
+        for req_id in so.preempted_req_ids or ():
+            # its blocks are freed, and may go to another request's load in this very step: a
+            # failure reported for them is not its own (its own load's, if it failed in the
+            # step before, is missed: it may be promised again when it resumes, once)
+            self._loading.pop(req_id, None)
+        shipped = {spec.req_id for spec in meta.loads}  # (a synchronous one's count starts after this step)
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -296,7 +302,7 @@ class SchedulerSide:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            if req_id in self._sync_loading:
+            if req_id in self._sync_loading and req_id not in shipped:  # (a resumed request comes this way)
                 self._sync_loading[req_id] -= 1
                 if not self._sync_loading[req_id]:
                     self._release(req_id)
@@ -361,8 +367,10 @@ class SchedulerSide:
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
         """vLLM reports these blocks' loads failed (it recomputes them): the requests whose
-        loads in flight fill them are not promised a load again. (Reported no later than
-        their loads are done, on every rank, so before ``_release`` forgets the blocks.)"""
+        loads in flight fill them are not promised a load again. (Reported no later than an
+        asynchronous load is reported done, on every rank, and than a synchronous one's
+        request has been scheduled twice after its load's step: before ``_release`` forgets
+        the blocks.)"""
         if not invalid_block_ids:
             return
         for req_id, blocks in self._loading.items():

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvtier import ChunkStore
+    from kvtier.store_view import StoreView
+    from kvtier.vllm.scheduler_side import SchedulerSide
 
 
 def test_producer_then_consumer_share_a_store(tiny_model: Path, store_dir: Path) -> None:
@@ -186,7 +194,7 @@ def test_a_preempted_request_resumed_as_new_plans_the_saves_it_recomputes(store_
             new = NewRequestData.from_request(req, (list(range(19)),))
             new.num_computed_tokens = computed
             so = SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={"r": scheduled},
-                                 scheduled_cached_reqs=CachedRequestData.make_empty())
+                                 scheduled_cached_reqs=CachedRequestData.make_empty(), preempted_req_ids=None)
             return [s.token_start for s in sched.build_connector_meta(so).saves]
 
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -290,11 +298,11 @@ def test_a_request_whose_load_failed_is_not_promised_a_load_again(tiny_model: Pa
     assert sorted(promised.values()) == [1, 1], promised
 
 
-def test_a_failed_load_marks_only_the_request_whose_blocks_it_filled(tmp_path: Path) -> None:
-    """vLLM reports failed loads as block ids, and a block is reused once a load is over: a
-    request whose load finished is not blamed for a later load that fails in its old blocks
-    (it still loads when it resumes), and the request whose load did fail is not promised
-    one again."""
+def _sync_side_and_requests(tmp_path: Path, load_async: bool,
+                            ) -> tuple[SchedulerSide, StoreView, ChunkStore, dict[str, Any]]:
+    """A scheduler side on a real store holding two 200-token prompts' chunks (64 tokens
+    each), its view, the store, and the two requests (the fields of vLLM's request that
+    kvtier reads)."""
     from types import SimpleNamespace
 
     import torch
@@ -308,27 +316,94 @@ def test_a_failed_load_marks_only_the_request_whose_blocks_it_filled(tmp_path: P
     ns = Namespace(model="m", weights_fingerprint="w", dtype="bfloat16", kv_shape=(2, 2, 1, 32), chunk_tokens=64)
     prompts = {"a": tokens(200, seed=9), "b": tokens(200, seed=10)}
     kv = torch.zeros(2, 2, 64, 1, 32, dtype=torch.bfloat16)
-    with ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, host_bytes=0)) as store:
-        for prompt in prompts.values():
-            for ref in chunk_keys(as_token_array(prompt), chain_seed(ns), 64, None):
-                store.put(ref.key, kv.clone(), namespace_id=ns.id, token_start=ref.start, num_tokens=64)
-        assert store.flush(10)
-        view = StoreView(store.config)
-        try:
-            side = SchedulerSide(view, [ns], 32, LoraFingerprints(None), can_load=True, can_save=True,
-                                 save_partial=False)
-            reqs = {k: SimpleNamespace(request_id=k, prompt_token_ids=p, cache_salt=None, lora_request=None,
-                                       mm_features=[], prompt_embeds=None) for k, p in prompts.items()}
-            blocks = SimpleNamespace(get_block_ids=lambda: (list(range(7)),))  # both get blocks 0-6
+    store = ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, host_bytes=0))
+    for prompt in prompts.values():
+        for ref in chunk_keys(as_token_array(prompt), chain_seed(ns), 64, None):
+            store.put(ref.key, kv.clone(), namespace_id=ns.id, token_start=ref.start, num_tokens=64)
+    assert store.flush(10)
+    view = StoreView(store.config)
+    side = SchedulerSide(view, [ns], 32, LoraFingerprints(None), can_load=True, can_save=True,
+                         save_partial=False, load_async=load_async)
+    reqs = {k: SimpleNamespace(request_id=k, prompt_token_ids=p, cache_salt=None, lora_request=None,
+                               mm_features=[], prompt_embeds=None) for k, p in prompts.items()}
+    return side, view, store, reqs
 
-            assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, True)
-            side.update_state_after_alloc(reqs["a"], blocks, 192)
-            side.loads_finished(["a"])  # a's load is over: its blocks may go to b
-            assert side.get_num_new_matched_tokens(reqs["b"], 0) == (192, True)
-            side.update_state_after_alloc(reqs["b"], blocks, 192)
-            side.loads_failed({3})
-            side.loads_finished(["b"])
-            assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, True)  # a, preempted, loads again
-            assert side.get_num_new_matched_tokens(reqs["b"], 0) == (0, False)  # b recomputes
-        finally:
-            view.close()
+
+def _step(cached: tuple[str, ...] = (), resumed: tuple[str, ...] = (),
+          preempted: tuple[str, ...] = ()) -> SchedulerOutput:
+    """vLLM's scheduler output for a step that runs ``cached`` requests (``resumed`` among them,
+    with blocks 0-6) and preempts ``preempted``."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    so = SchedulerOutput.make_empty()
+    ids = list(cached)
+    so.scheduled_cached_reqs = CachedRequestData(
+        req_ids=ids, resumed_req_ids=set(resumed), new_token_ids=[[] for _ in ids], all_token_ids={},
+        new_block_ids=[(list(range(7)),) if r in resumed else None for r in ids],
+        num_computed_tokens=[192] * len(ids), num_output_tokens=[1] * len(ids))
+    so.num_scheduled_tokens = {r: 1 for r in ids}
+    so.preempted_req_ids = set(preempted)
+    return so
+
+
+BLOCKS_0_TO_6 = type("Blocks", (), {"get_block_ids": lambda self: (list(range(7)),)})()
+
+
+def test_a_failed_load_marks_only_the_request_whose_blocks_it_filled(tmp_path: Path) -> None:
+    """vLLM reports failed loads as block ids, and a block is reused once a load is over: a
+    request whose load finished is not blamed for a later load that fails in its old blocks
+    (it still loads when it resumes), and the request whose load did fail is not promised
+    one again."""
+    side, view, store, reqs = _sync_side_and_requests(tmp_path, load_async=True)
+    try:
+        assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, True)
+        side.update_state_after_alloc(reqs["a"], BLOCKS_0_TO_6, 192)
+        side.loads_finished(["a"])  # a's load is over: its blocks may go to b
+        assert side.get_num_new_matched_tokens(reqs["b"], 0) == (192, True)
+        side.update_state_after_alloc(reqs["b"], BLOCKS_0_TO_6, 192)
+        side.loads_failed({3})
+        side.loads_finished(["b"])
+        assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, True)  # a, preempted, loads again
+        assert side.get_num_new_matched_tokens(reqs["b"], 0) == (0, False)  # b recomputes
+    finally:
+        view.close()
+        store.close()
+
+
+def test_a_resumed_requests_failed_synchronous_load_is_told_under_asynchronous_scheduling(tmp_path: Path) -> None:
+    """vLLM's model runner V1 schedules a resumed request through its cached requests, in the
+    very step that runs its synchronous load; with asynchronous scheduling that step's
+    output (the failed blocks) comes after the next step is planned. The failure must still
+    find the load's blocks."""
+    side, view, store, reqs = _sync_side_and_requests(tmp_path, load_async=False)
+    try:
+        assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, False)
+        side.update_state_after_alloc(reqs["a"], BLOCKS_0_TO_6, 192)
+        side.build_connector_meta(_step(cached=("a",), resumed=("a",)))  # step N: the load runs
+        side.build_connector_meta(_step(cached=("a",)))  # step N+1, planned before N's output
+        side.loads_failed({2})  # step N's output
+        assert side.get_num_new_matched_tokens(reqs["a"], 0) == (0, False)
+    finally:
+        view.close()
+        store.close()
+
+
+def test_a_request_preempted_after_its_synchronous_load_is_not_blamed_for_the_next_one(tmp_path: Path) -> None:
+    """A request preempted right after its synchronous load frees its blocks, and another
+    request's load may fill them in the same step: that load's failure is not the
+    preempted request's, which loads again when it resumes."""
+    side, view, store, reqs = _sync_side_and_requests(tmp_path, load_async=False)
+    try:
+        side.get_num_new_matched_tokens(reqs["a"], 0)
+        side.update_state_after_alloc(reqs["a"], BLOCKS_0_TO_6, 192)
+        side.build_connector_meta(_step(cached=("a",), resumed=("a",)))  # step N: a's load
+        side.loads_failed(set())
+        assert side.get_num_new_matched_tokens(reqs["b"], 0) == (192, False)
+        side.update_state_after_alloc(reqs["b"], BLOCKS_0_TO_6, 192)  # a's freed blocks
+        side.build_connector_meta(_step(cached=("b",), resumed=("b",), preempted=("a",)))
+        side.loads_failed({3})  # b's load failed
+        assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, False)
+        assert side.get_num_new_matched_tokens(reqs["b"], 0) == (0, False)
+    finally:
+        view.close()
+        store.close()

@@ -132,8 +132,8 @@ def test_a_consumer_reports_a_use_of_a_longer_tail_its_own_cache_served(tmp_path
                           mm_features=[], prompt_embeds=None)
     assert side.get_num_new_matched_tokens(req, 96) == (0, False)  # vLLM's cache held [0, 96): nothing to load
     chunk, tail = (tuple(r[i].key for r in refs) for i in (0, 1))
-    assert side.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
-        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]),
-        num_scheduled_tokens={})).uses == [chunk, tail]
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    assert side.build_connector_meta(SchedulerOutput.make_empty()).uses == [chunk, tail]
     view.close()
     store.close()
