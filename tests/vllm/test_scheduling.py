@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 from enginehelpers import tokens
 
 from kvtier.testing.engine import Engine, kv_transfer_config
@@ -236,15 +237,18 @@ PREEMPTING = {"max_num_batched_tokens": 512, "kv_cache_memory_bytes": 3 << 20, "
               "max_num_seqs": 2, "dtype": "float32", "enable_prefix_caching": False}
 
 
-def test_a_preempted_request_loads_its_prefix_and_answer_again(tiny_model: Path, store_dir: Path) -> None:
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_preempted_request_loads_its_prefix_and_answer_again(tiny_model: Path, store_dir: Path,
+                                                               load_async: bool) -> None:
     """A request preempted after its prompt (and, with ``save_decode_chunks``, the chunks its
     answer completed) were saved loads them when it resumes, instead of recomputing them
     all: also when it loaded its prompt before. (It used to get one external load in its
-    life, and to look up its prompt only.)"""
+    life, and to look up its prompt only.) A synchronous load of a resumed request runs in
+    the step that resumes it (vLLM's model runner V1 schedules it with the running ones)."""
     prompts = [tokens(1000, seed=95 + i) for i in range(2)]
     with Engine(tiny_model, **PREEMPTING) as e:
         base = [r.tokens for r in e.generate(prompts, max_tokens=520)]
-    cfg = kv_transfer_config(store_dir, save_decode_chunks=True)
+    cfg = kv_transfer_config(store_dir, save_decode_chunks=True, load_async=load_async)
     for first_load in ([], [992]):  # a fresh store; then, after a restart, the prompt is stored
         with Engine(tiny_model, cfg, **PREEMPTING) as e:
             preempted, loads = _observe(e)
