@@ -2,12 +2,18 @@
 
 Set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before importing vLLM to keep the engine in-process
 (starts in seconds; two engines can run one after the other in one process).
+
+``KVTIER_TEST_ASYNC_SCHEDULING=1`` (or ``Engine(async_scheduling=True)``) runs the engine
+with vLLM's asynchronous scheduling, as on a GPU server: see :func:`cpu_async_scheduling`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,21 +40,57 @@ def kv_transfer_config(store: str | Path, role: str = "kv_both", *, by_name: boo
     )
 
 
+@contextlib.contextmanager
+def cpu_async_scheduling(on: bool = True) -> Iterator[None]:
+    """Engines built inside run vLLM's asynchronous scheduling on the CPU too.
+
+    GPU servers schedule asynchronously by default: the scheduler plans step N+1 before it
+    has step N's output (vLLM's engine core with a batch queue of 2), so a connector sees
+    its requests a step behind. vLLM's CPU platform turns it off ("not required on CPU");
+    this sets it back on after the platform's own checks, so that the same scheduler,
+    engine core and connector code run in that order here.
+    """
+    from vllm.platforms import current_platform
+
+    if not on or not current_platform.is_cpu():
+        yield
+        return
+    cls = type(current_platform)
+    own = cls.__dict__.get("check_and_update_config")
+    platform_check = cls.check_and_update_config
+
+    def check_and_update_config(_cls: type, vllm_config: Any) -> None:
+        platform_check(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.check_and_update_config
+        else:
+            cls.check_and_update_config = own  # type: ignore[method-assign]
+
+
 class Engine:
     """One ``vllm.LLM`` with defaults that fit these 2-core CPU machines."""
 
     def __init__(self, model: str | Path, kv_transfer_config: Any = None, *, block_size: int = 32,
                  max_model_len: int = 4096, kv_cache_memory_bytes: int = 64 << 20,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 8,
-                 dtype: str = "bfloat16", **kwargs: Any) -> None:
+                 dtype: str = "bfloat16", async_scheduling: bool | None = None, **kwargs: Any) -> None:
         from vllm import LLM
 
-        self.llm = LLM(
-            model=str(model), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
-            enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, distributed_executor_backend="uni",
-            kv_transfer_config=kv_transfer_config, **kwargs)
+        if async_scheduling is None:
+            async_scheduling = os.environ.get("KVTIER_TEST_ASYNC_SCHEDULING", "") == "1"
+        with cpu_async_scheduling(async_scheduling):
+            self.llm = LLM(
+                model=str(model), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+                enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, distributed_executor_backend="uni",
+                kv_transfer_config=kv_transfer_config, **kwargs)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, *, logprobs: bool = False,
                  salts: list[str | None] | None = None, lora: Any = None) -> list[Result]:
@@ -78,6 +120,11 @@ class Engine:
         t0 = time.perf_counter()
         r = self.generate([prompt], max_tokens)[0]
         return r, time.perf_counter() - t0
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the engine core plans a step before the one before has its output."""
+        return self.llm.llm_engine.engine_core.engine_core.batch_queue is not None
 
     @property
     def scheduler(self) -> Any:

@@ -84,6 +84,24 @@ def _any_tp_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def _sync_loads_unsafe(vllm_config: Any) -> str | None:
+    """Why vLLM would mishandle a failed synchronous load here, or None. vLLM rolls such a
+    request back to recompute the blocks, but with asynchronous scheduling it leaves the
+    output placeholders it reserved for the step in flight, and recomputes with them:
+    garbage token ids (on the CPU the engine fails with an embedding IndexError; vLLM issue
+    49250, part 2). Model runner V2 keeps the old computed-token count on the device and
+    recomputes from the wrong offset, in either scheduling mode (part 1, as reported there;
+    V2 needs Triton, so it never runs here)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if getattr(scheduler, "async_scheduling", None):
+        return "vLLM schedules asynchronously (async_scheduling)"
+    try:
+        v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # (a property that judges the config: not this connector's business)
+        v2 = False
+    return "vLLM runs its model runner V2" if v2 else None
+
+
 def _unsafe_save_steps(vllm_config: Any) -> int:
     """How many steps' saves a failed synchronous load spoils (see ``UNSAFE_SAVE_STEPS``):
     one where vLLM is known to schedule synchronously, else two."""
@@ -212,10 +230,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                           self.settings.cache.chunk_tokens, self._fingerprint,
                                           self._identity, r, self._tp_size) for r in range(self._tp_size)]
             loras = LoraFingerprints(fingerprints, getattr(vllm_config.load_config, "download_dir", None))
+            load_async = self.settings.load_async
+            unsafe = None if load_async else _sync_loads_unsafe(vllm_config)
+            if unsafe:
+                log.warning("kvtier: load_async: false is not used, loads are asynchronous: %s, and "
+                            "then recomputes a failed synchronous load wrongly (vLLM issue 49250)", unsafe)
+                load_async = True
             self._sched = SchedulerSide(self._view, namespaces, geometry.block_size, loras,
                                         can_load=self._can_load, can_save=self._can_save,
                                         save_partial=self.settings.save_partial_chunks,
-                                        load_async=self.settings.load_async,
+                                        load_async=load_async,
                                         save_decode=self.settings.save_decode_chunks)
             remote = self._view.remote
             log.info("kvtier: connector on (%s, store %s, backend %s, namespace %s%s)",

@@ -129,13 +129,29 @@ def test_sliding_window_model_disables_connector(tmp_path: Path, caplog: pytest.
     assert [r.tokens for r in got] == [r.tokens for r in base]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_sync_load_mode_hits_and_survives_corruption(tiny_model: Path, store_dir: Path,
-                                                     baseline: list[list[int]]) -> None:
-    """``load_async: false`` loads before the forward pass; a bad chunk is still recomputed."""
+                                                     baseline: list[list[int]], async_scheduling: bool) -> None:
+    """``load_async: false`` loads before the forward pass; a bad chunk is still recomputed.
+    Where vLLM schedules asynchronously (a GPU server's default), it recomputes a failed
+    synchronous load with garbage token ids (vLLM issue 49250; the engine here fails with an
+    IndexError): the connector says so and loads asynchronously instead."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("kvtier").addHandler(handler)
     cfg = kv_transfer_config(store_dir, backend="files", load_async=False)
-    with Engine(tiny_model, cfg) as e:
-        e.generate(P, max_tokens=10)
-    with Engine(tiny_model, cfg) as e:
+    try:
+        with Engine(tiny_model, cfg, async_scheduling=async_scheduling) as e:
+            assert e.async_scheduling is async_scheduling
+            assert e.scheduler_connector._sched.load_async is async_scheduling
+            e.generate(P, max_tokens=10)
+    finally:
+        logging.getLogger("kvtier").removeHandler(handler)
+    assert any("load_async: false is not used" in m for m in said) is async_scheduling, said
+    with Engine(tiny_model, cfg, async_scheduling=async_scheduling) as e:
         got = e.generate(P, max_tokens=10)
     assert [r.tokens for r in got] == baseline
     assert [r.num_cached_tokens for r in got] == [(len(p) - 1) // 32 * 32 for p in P]
@@ -143,7 +159,7 @@ def test_sync_load_mode_hits_and_survives_corruption(tiny_model: Path, store_dir
         data = bytearray(rec.read_bytes())
         data[-7] ^= 0x01
         rec.write_bytes(bytes(data))
-    with Engine(tiny_model, cfg) as e:
+    with Engine(tiny_model, cfg, async_scheduling=async_scheduling) as e:
         got = e.generate(P, max_tokens=10)
         corrupt = e.worker_connector._store.counters.snapshot()["corrupt_records"]
     assert [r.tokens for r in got] == baseline
