@@ -234,7 +234,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             unsafe = None if load_async else _sync_loads_unsafe(vllm_config)
             if unsafe:
                 log.warning("kvtier: load_async: false is not used, loads are asynchronous: %s, and "
-                            "then recomputes a failed synchronous load wrongly (vLLM issue 49250)", unsafe)
+                            "then recomputes a failed synchronous load wrongly (vLLM issue 49250); remove "
+                            "the setting (it also keeps vLLM on piecewise CUDA graphs)", unsafe)
                 load_async = True
             self._sched = SchedulerSide(self._view, namespaces, geometry.block_size, loras,
                                         can_load=self._can_load, can_save=self._can_save,
