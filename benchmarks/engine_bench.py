@@ -32,6 +32,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 SECTIONS = ("restart", "no-reuse", "conversation", "pressure")
@@ -180,7 +181,7 @@ def pressure(model: Path, work: Path, warm: list[int],
     round), same output as without a connector),
     medians of ``args.repeat`` interleaved rounds. The prompts' prefixes were saved by an
     earlier engine (a shared document, a system prompt)."""
-    from kvtier.testing.engine import Engine, kv_transfer_config
+    from kvtier.testing.engine import Engine, kv_transfer_config, observe
 
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 2000) for _ in range(args.turn_tokens)] for _ in range(args.pressure_prompts)]
@@ -205,23 +206,14 @@ def pressure(model: Path, work: Path, warm: list[int],
                     e.generate(prompts, max_tokens=1)
                     e.worker_connector._store.flush()
             with Engine(model, cfg, **opts) as e:
-                preempted = []
-                preempt = e.scheduler._preempt_request
-
-                def counting(request: object, *a: object, _p=preempt, _l=preempted, **k: object) -> object:
-                    _l.append(request)
-                    return _p(request, *a, **k)
-
-                e.scheduler._preempt_request = counting
+                preempted: list[object] = []
                 computed = [0]  # tokens the model computed: prefills, recomputes and decodes
-                schedule = e.scheduler.schedule
 
-                def counting_schedule(*a: object, _s=schedule, _c=computed, **k: object) -> object:
-                    out = _s(*a, **k)
+                def scheduled(out: Any, *a: object, _c: list[int] = computed, **k: object) -> None:
                     _c[0] += out.total_num_scheduled_tokens
-                    return out
 
-                e.scheduler.schedule = counting_schedule
+                observe(e.scheduler, "_preempt_request", lambda _, request, *a, _l=preempted, **k: _l.append(request))
+                observe(e.scheduler, "schedule", scheduled)
                 e.generate([warm], max_tokens=1)
                 computed[0] = 0
                 side = e.scheduler_connector._sched if cfg is not None else None

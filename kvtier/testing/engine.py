@@ -13,7 +13,7 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,20 @@ def kv_transfer_config(store: str | Path, role: str = "kv_both", *, by_name: boo
         # write_queue_bytes of memory when it starts (the defaults: 1.25 GiB per worker)
         kv_connector_extra_config={"path": str(store), "host_bytes": "128M", "write_queue_bytes": "128M", **extra},
     )
+
+
+def observe(obj: Any, name: str, seen: Callable[..., None]) -> None:
+    """Wrap ``obj.name`` so that ``seen(result, *args, **kwargs)`` runs after each call: tests
+    and benchmarks watch vLLM's scheduler (its preemptions, its steps, the connector's calls)
+    without changing what it does."""
+    call = getattr(obj, name)
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        result = call(*args, **kwargs)
+        seen(result, *args, **kwargs)
+        return result
+
+    setattr(obj, name, watched)
 
 
 @contextlib.contextmanager

@@ -104,7 +104,8 @@ def _sync_loads_unsafe(vllm_config: Any) -> str | None:
 
 def _unsafe_save_steps(vllm_config: Any) -> int:
     """How many steps' saves a failed synchronous load spoils (see ``UNSAFE_SAVE_STEPS``):
-    one where vLLM is known to schedule synchronously, else two."""
+    one where vLLM is known to schedule synchronously, else two. (Where it is known to
+    schedule asynchronously no load is synchronous: ``_sync_loads_unsafe``.)"""
     scheduler = getattr(vllm_config, "scheduler_config", None)
     return 1 if getattr(scheduler, "async_scheduling", None) is False else UNSAFE_SAVE_STEPS
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from enginehelpers import tokens
 
-from kvtier.testing.engine import Engine, kv_transfer_config
+from kvtier.testing.engine import Engine, kv_transfer_config, observe
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -102,13 +102,7 @@ def test_long_prompt_chunked_prefill_and_preemption(tiny_model: Path, store_dir:
     cfg = kv_transfer_config(store_dir)
     with Engine(tiny_model, cfg, **opts) as e:
         preemptions: list[str] = []
-        preempt = e.scheduler._preempt_request
-
-        def counting_preempt(request, *args, **kwargs):  # observe only
-            preemptions.append(request.request_id)
-            return preempt(request, *args, **kwargs)
-
-        e.scheduler._preempt_request = counting_preempt
+        observe(e.scheduler, "_preempt_request", lambda _, request, *a, **k: preemptions.append(request.request_id))
         first = e.generate(prompts, max_tokens=100)
         _assert_no_leaks(e)
     assert preemptions, "the KV memory was meant to be small enough to force preemption"
@@ -211,21 +205,13 @@ def _observe(e: Engine) -> tuple[list[str], dict[str, list[int]]]:
     observed on the real scheduler without changing what it does."""
     preempted: list[str] = []
     loads: dict[str, list[int]] = {}
-    preempt = e.scheduler._preempt_request
-    side = e.scheduler_connector._sched
-    alloc = side.update_state_after_alloc
 
-    def counting_preempt(request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return preempt(request, *args, **kwargs)
-
-    def counting_alloc(request, blocks, num_external_tokens):
+    def loading(_: None, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens:
             loads.setdefault(request.request_id, []).append(num_external_tokens)
-        return alloc(request, blocks, num_external_tokens)
 
-    e.scheduler._preempt_request = counting_preempt
-    side.update_state_after_alloc = counting_alloc
+    observe(e.scheduler, "_preempt_request", lambda _, request, *a, **k: preempted.append(request.request_id))
+    observe(e.scheduler_connector._sched, "update_state_after_alloc", loading)
     return preempted, loads
 
 
@@ -302,7 +288,7 @@ def test_a_request_whose_load_failed_is_not_promised_a_load_again(tiny_model: Pa
     assert sorted(promised.values()) == [1, 1], promised
 
 
-def _sync_side_and_requests(tmp_path: Path, load_async: bool,
+def _side_on_a_store(tmp_path: Path, load_async: bool,
                             ) -> tuple[SchedulerSide, StoreView, ChunkStore, dict[str, Any]]:
     """A scheduler side on a real store holding two 200-token prompts' chunks (64 tokens
     each), its view, the store, and the two requests (the fields of vLLM's request that
@@ -358,7 +344,7 @@ def test_a_failed_load_marks_only_the_request_whose_blocks_it_filled(tmp_path: P
     request whose load finished is not blamed for a later load that fails in its old blocks
     (it still loads when it resumes), and the request whose load did fail is not promised
     one again."""
-    side, view, store, reqs = _sync_side_and_requests(tmp_path, load_async=True)
+    side, view, store, reqs = _side_on_a_store(tmp_path, load_async=True)
     try:
         assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, True)
         side.update_state_after_alloc(reqs["a"], BLOCKS_0_TO_6, 192)
@@ -379,7 +365,7 @@ def test_a_resumed_requests_failed_synchronous_load_is_told_under_asynchronous_s
     very step that runs its synchronous load; with asynchronous scheduling that step's
     output (the failed blocks) comes after the next step is planned. The failure must still
     find the load's blocks."""
-    side, view, store, reqs = _sync_side_and_requests(tmp_path, load_async=False)
+    side, view, store, reqs = _side_on_a_store(tmp_path, load_async=False)
     try:
         assert side.get_num_new_matched_tokens(reqs["a"], 0) == (192, False)
         side.update_state_after_alloc(reqs["a"], BLOCKS_0_TO_6, 192)
@@ -396,7 +382,7 @@ def test_a_request_preempted_after_its_synchronous_load_is_not_blamed_for_the_ne
     """A request preempted right after its synchronous load frees its blocks, and another
     request's load may fill them in the same step: that load's failure is not the
     preempted request's, which loads again when it resumes."""
-    side, view, store, reqs = _sync_side_and_requests(tmp_path, load_async=False)
+    side, view, store, reqs = _side_on_a_store(tmp_path, load_async=False)
     try:
         side.get_num_new_matched_tokens(reqs["a"], 0)
         side.update_state_after_alloc(reqs["a"], BLOCKS_0_TO_6, 192)
