@@ -269,10 +269,18 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
             out["sync_load_step_ms"] = both * 1e3
             out["sync_load_overlap"] = (host_load + plain) / both
 
-        measure()  # warm-up: the pool grows to its working size (parallel loads: a pass or two)
-        measure()
+        def timed_pass(label: str) -> None:
+            t0 = time.perf_counter()
+            measure()
+            # progress on stderr: a run cut short by a time limit still shows what it measured
+            print(f"[{content}] {label} pass: {time.perf_counter() - t0:.1f} s "
+                  + ", ".join(f"{k} {v:.3g}" for k, v in out.items() if isinstance(v, float)),
+                  file=sys.stderr, flush=True)
+
+        timed_pass("warm-up")  # the pool grows to its working size (parallel loads: a pass or two)
+        timed_pass("second warm-up")
         before = counts()
-        measure()
+        timed_pass("measured")
         out["allocations_when_warm"] = sum(a - b for a, b in zip(counts(), before, strict=True))
         # the pool grows to a peak that depends on how far the writer lags (bounded by its cap)
         out["pool_slots"] = store.pool.allocated_bytes // max(1, store.pool.chunk_bytes)
