@@ -15,16 +15,16 @@ backend:
   (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``).
 
 Each becomes strided views ``[B, P, N, H, D]`` of the same memory (no copy; one view with P=2
-for K and V together, or one per plane where their strides differ), so a chunk is
-gathered or scattered block by block with plain ``copy_``; on CUDA the same calls run with
-``non_blocking=True`` on a side stream into pinned host buffers. Canonical chunks are
+for K and V together, or one per plane where their strides differ), through which
+:mod:`kvtier.vllm.block_rows` gathers and scatters many chunks' blocks at once (on CUDA on a
+side stream, to and from pinned host buffers). Canonical chunks are
 ``[layers, 2, tokens, kv_heads, head_dim]``, independent of the backend, so a cache written
 through one backend is read through another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -136,73 +136,3 @@ def probe_cpu_layout(write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, 
     if torch.equal(perm[: n * d], k_cols) and torch.equal(perm[n * d :], rows[n * d :]):
         return "cpu_kt"
     return perm
-
-
-def block_index(block_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
-    """Block ids as a long tensor on ``device``: as given if already one (the worker uploads
-    a step's ids once, see :class:`kvtier.vllm.device.StepIndex`), else converted here."""
-    if isinstance(block_ids, torch.Tensor):
-        return block_ids
-    return torch.as_tensor(block_ids, dtype=torch.long, device=device)
-
-
-def gather_blocks(view: LayerView, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor,
-                  non_blocking: bool = False) -> None:
-    """Copy blocks ``block_ids`` of a layer's views into ``out`` ``[2, len*N, H, D]``.
-
-    One gather and one copy per view: few Python-level operations matter, because the load
-    and save paths share the interpreter with vLLM's busy engine loop.
-    """
-    if isinstance(view, PermutedBlocks):
-        idx = block_index(block_ids, view.flat.device)
-        nb = idx.numel()
-        g = view.flat.index_select(0, idx).index_select(2, view.perm)  # [nb, H, 2*N*D] canonical
-        g = g.view(nb, -1, 2, view.n, view.d).permute(2, 0, 3, 1, 4)
-        out.view(2, nb, view.n, *out.shape[2:]).copy_(g, non_blocking=non_blocking)
-        return
-    idx = block_index(block_ids, view[0].device)
-    nb = idx.numel()
-    plane = 0
-    for v in view:
-        n, p = v.shape[2], v.shape[1]
-        dst = out.narrow(0, plane, p).view(p, nb, n, *out.shape[2:])
-        dst.copy_(v.index_select(0, idx).transpose(0, 1), non_blocking=non_blocking)
-        plane += p
-
-
-def scatter_blocks(view: LayerView, block_ids: torch.Tensor | Sequence[int], src: torch.Tensor,
-                   non_blocking: bool = False) -> None:
-    """Copy ``src`` ``[2, >=len*N, H, D]`` into blocks ``block_ids`` of a layer's views."""
-    if isinstance(view, PermutedBlocks):
-        idx = block_index(block_ids, view.flat.device)
-        nb = idx.numel()
-        n, heads = view.n, view.flat.shape[1]
-        s = src.narrow(1, 0, nb * n).reshape(2, nb, n, heads, view.d).permute(1, 3, 0, 2, 4)
-        s = s.reshape(nb, heads, 2 * n * view.d).to(view.flat.device)
-        raw = torch.empty_like(s).index_copy_(2, view.perm, s)
-        view.flat.index_copy_(0, idx, raw)
-        return
-    idx = block_index(block_ids, view[0].device)
-    nb = idx.numel()
-    plane = 0
-    for v in view:
-        n, p = v.shape[2], v.shape[1]
-        part = src.narrow(0, plane, p).narrow(1, 0, nb * n)
-        if part.device != v.device:
-            part = _planes_to(part, v.device, non_blocking)
-        v.index_copy_(0, idx, part.reshape(p, nb, n, *src.shape[2:]).transpose(0, 1))
-        plane += p
-
-
-def _planes_to(planes: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
-    """``planes`` ``[P, T, ...]`` copied to ``device``: in one copy if it is contiguous, else
-    one per plane. A chunk's planes are contiguous each, but a load that skips leading blocks
-    or stops short of the chunk's end leaves gaps between them, and a strided host tensor is
-    copied through a new pageable one, whose copy to a GPU waits for the stream (and the side
-    stream waits for the forward pass): the model's thread would block once per layer."""
-    if planes.is_contiguous():
-        return planes.to(device, non_blocking=non_blocking)
-    out = torch.empty(planes.shape, dtype=planes.dtype, device=device)
-    for k in range(planes.shape[0]):
-        out[k].copy_(planes[k], non_blocking=non_blocking)
-    return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,8 +35,9 @@ import torch
 
 from kvtier.keys import Namespace
 from kvtier.store import ChunkStore, Loaded, Outcome
+from kvtier.vllm.block_rows import STAGE_BYTES, BlockRows, RowPlan
 from kvtier.vllm.device import CopyStream, IndexRing, StepIndex
-from kvtier.vllm.layout import Content, blocks_view, gather_blocks, scatter_blocks
+from kvtier.vllm.layout import Content, blocks_view
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("kvtier")
@@ -62,7 +64,6 @@ class _Staged:
     # with no buffer: "save_skipped_chunks" (stored already), "save_dropped_chunks" (no buffer
     # was free; the store counts it too), "save_unsafe_chunks" (see UNSAFE_SAVE_STEPS)
     skipped: str = "save_skipped_chunks"
-    idx: torch.Tensor | None = None  # its block ids on the device (this step's upload)
     replace: bool = False  # this rank could not load the stored record: replace it
 
 
@@ -114,6 +115,15 @@ class WorkerSide:
         self.views = [blocks_view(kv_caches[n], content, self.head_dim) for n in layer_names]
         self.dtype = kv_caches[layer_names[0]].dtype
         self.copies = CopyStream(kv_caches[layer_names[0]].device)
+        # chunks are copied in batches, layer by layer, through one staging tensor on the
+        # device (see kvtier.vllm.block_rows): its size is fixed now, whatever the steps ask
+        self.rows = BlockRows(self.views[0])
+        self.tables = [self.rows.tables(v) for v in self.views]
+        row_shape = self.rows.row_shape
+        row_bytes = math.prod(row_shape) * self.dtype.itemsize
+        stage_rows = max(self.rows.rows_per_chunk(-(-namespace.chunk_tokens // block_size)),
+                         STAGE_BYTES // row_bytes)
+        self._stage = torch.empty((stage_rows, *row_shape), dtype=self.dtype, device=self.copies.device)
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
         # step allocates (the first saves would pay for new pinned memory on this thread)
         store.reserve_buffers((len(self.views), 2, namespace.chunk_tokens, self.heads, self.head_dim), self.dtype)
@@ -137,6 +147,9 @@ class WorkerSide:
         self._save_index = IndexRing(self.copies.device)
         self._load_index = IndexRing(self.copies.device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
+        # this step's chunks to copy, in batches: each chunk's stage piece, its buffer's
+        # layers and its blocks (views made once per step, not per layer)
+        self._save_batches: list[tuple[RowPlan, list[tuple[torch.Tensor, tuple[torch.Tensor, ...], int]]]] = []
         self._staged_index: StepIndex | None = None
         self._gathered = [False] * len(self.views)  # which layers of this step's saves are copied
         self._save_namespace = namespace.id
@@ -159,6 +172,37 @@ class WorkerSide:
         self.stats: dict[str, float] = {}  # only touched on the model's thread
         self._last_log = time.monotonic()
         self._last_counters = store.counters.snapshot()
+        self._load_copy_kernels()
+
+    def _load_copy_kernels(self) -> None:
+        """Run each copy kernel once now, on one block (read and written back unchanged):
+        CUDA loads a kernel's code on its first launch and may synchronize the device to do
+        it, which in the first saving step would stall the model's thread behind the forward
+        pass (seen on an H100: 115 ms)."""
+        index = StepIndex(self.copies.device)
+        lists, sizes = self.rows.id_lists([[0]])
+        plan = self.rows.plan([[0]], index.upload(lists), sizes)
+        with self.copies.after_compute():
+            BlockRows.gather(self.tables[0], plan, self._stage)
+            BlockRows.scatter(self.tables[0], plan, self._stage)
+        self.copies.synchronize()
+
+    def _plan_rows(self, index: StepIndex, block_lists: list[list[int]]) -> list[tuple[list[int], RowPlan]]:
+        """Batches of chunks (their positions in ``block_lists``) that fit the stage, with
+        their rows uploaded in one copy (call inside ``after_compute``)."""
+        groups = self.rows.batches(block_lists, self._stage.shape[0])
+        lists: list[list[int]] = []
+        parts = []
+        for group in groups:
+            ids, sizes = self.rows.id_lists([block_lists[i] for i in group])
+            parts.append((group, len(ids), sizes))
+            lists.extend(ids)
+        uploaded = index.upload(lists)
+        out, at = [], 0
+        for group, n, sizes in parts:
+            out.append((group, self.rows.plan([block_lists[i] for i in group], uploaded[at : at + n], sizes)))
+            at += n
+        return out
 
     def _bump(self, **deltas: float) -> None:
         for k, v in deltas.items():
@@ -215,8 +259,11 @@ class WorkerSide:
         self.store.touch(used)
         copying = [st for st in staged if st.buf is not None]
         self._staged_index = self._save_index.take()
-        for st, idx in zip(copying, self._staged_index.upload([st.spec.block_ids for st in copying]), strict=True):
-            st.idx = idx
+        self._save_batches = []
+        for group, plan in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying]):
+            regions = self.rows.regions(self._stage, plan)
+            self._save_batches.append((plan, [(region, copying[i].buf.unbind(0), blocks)  # type: ignore[union-attr]
+                                              for i, region, blocks in zip(group, regions, plan.blocks, strict=True)]))
         ids = meta.namespace_ids
         self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
         self._gathered = [False] * len(self.views)
@@ -226,9 +273,11 @@ class WorkerSide:
         """Copy layer ``li`` of this step's saves into their buffers (inside ``after_compute``)."""
         if self._gathered[li] or self._staged is None:
             return
-        for staged in self._staged:
-            if staged.buf is not None:
-                gather_blocks(self.views[li], staged.idx, staged.buf[li], non_blocking=self.copies.non_blocking)
+        tables, view, non_blocking = self.tables[li], self.views[li], self.copies.non_blocking
+        for plan, chunks in self._save_batches:
+            BlockRows.gather(tables, plan, self._stage)
+            for region, layers, blocks in chunks:
+                self.rows.to_chunk(region, blocks, layers[li], view, non_blocking)
         self._gathered[li] = True
 
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
@@ -262,6 +311,7 @@ class WorkerSide:
 
     def _end_saves(self, *, store: bool) -> None:
         staged, self._staged = self._staged or [], None
+        self._save_batches = []
         event = self.copies.record()
         # the gathers read blocks vLLM may hand out again from the next step on: later work on
         # the compute stream waits for them (on the device; this thread does not), from right
@@ -453,12 +503,21 @@ class WorkerSide:
         try:
             index = self._load_index.take()
             with self.copies.after_compute():
-                indexes = index.upload([chunk.block_ids for _, (chunk, _) in loaded])
-                for li, view in enumerate(self.views):
-                    for (_, (chunk, data)), idx in zip(loaded, indexes, strict=True):
+                batches = []  # per batch: its plan, and each chunk's layers, blocks and stage piece
+                for group, plan in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
+                    chunks = []
+                    for i, region, blocks in zip(group, self.rows.regions(self._stage, plan), plan.blocks, strict=True):
+                        chunk, data = loaded[i][1]
                         skip = chunk.skip_blocks * self.block_size
-                        scatter_blocks(view, idx, data[li].narrow(1, skip, data.shape[2] - skip),
-                                       non_blocking=self.copies.non_blocking)
+                        chunks.append(((data.narrow(2, skip, data.shape[2] - skip) if skip else data).unbind(0),
+                                       blocks, region))
+                    batches.append((plan, chunks))
+                non_blocking = self.copies.non_blocking
+                for li, view in enumerate(self.views):
+                    for plan, chunks in batches:
+                        for layers, blocks, region in chunks:
+                            self.rows.from_chunk(layers[li], blocks, region, view, non_blocking)
+                        BlockRows.scatter(self.tables[li], plan, self._stage)
                     if layer_events:
                         self._layer_ready[li] = self.copies.record()
             for res, (chunk, _) in loaded:

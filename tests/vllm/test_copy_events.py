@@ -279,7 +279,7 @@ def test_a_failed_copy_fails_its_chunks_and_every_later_one(tmp_path: Path, monk
             calls.append(1)
             raise RuntimeError("injected device error")
 
-        monkeypatch.setattr(worker_side, "scatter_blocks", failing)
+        monkeypatch.setattr(worker_side.BlockRows, "scatter", staticmethod(failing))
         gates[1].set()
         _wait_for(lambda: job.arrived.qsize() == 1, "the second chunk")
         worker.get_finished(set())  # its copy fails

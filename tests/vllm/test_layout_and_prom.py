@@ -8,14 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtier.vllm.layout import (
-    CONTENT_LAYOUTS,
-    UnsupportedLayout,
-    _planes_to,
-    blocks_view,
-    gather_blocks,
-    scatter_blocks,
-)
+from kvtier.vllm.block_rows import BlockRows, gather_blocks, scatter_blocks
+from kvtier.vllm.layout import CONTENT_LAYOUTS, UnsupportedLayout, blocks_view
 
 B, H, N, D = 6, 2, 32, 16
 
@@ -49,15 +43,56 @@ def test_blocks_round_trip_through_the_canonical_layout(content: str) -> None:
     assert not restored[[0, 2, 3, 5]].any()  # no other block touched
 
 
-def test_a_partial_chunk_goes_to_the_device_plane_by_plane() -> None:
+def test_a_partial_chunk_goes_to_the_device_plane_by_plane(monkeypatch: pytest.MonkeyPatch) -> None:
     """A load that skips leading blocks leaves gaps between the K and V planes of the source:
     it is copied one contiguous plane at a time (on a GPU, each straight from the pinned
     buffer; tests/gpu checks the host does not wait), and lands whole."""
     chunk = torch.randn(2, 4 * N, H, D)  # a pooled chunk's [k/v, tokens, heads, dim]
     part = chunk.narrow(1, N, 2 * N)  # skip one block, stop one short
     assert not part.is_contiguous() and all(part[k].is_contiguous() for k in range(2))
-    moved = _planes_to(part, torch.device("cpu"), non_blocking=False)
-    assert moved.is_contiguous() and torch.equal(moved, part)
+    kv = torch.zeros(B, H, N, 2 * D)
+    view = blocks_view(kv, "kv_last", D)
+    sources = []
+    copy = torch.Tensor.copy_
+
+    def watched(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        sources.append(src.is_contiguous())
+        return copy(dst, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", watched)
+    scatter_blocks(view, [5, 2], part)
+    monkeypatch.undo()
+    assert sources == [True, True]  # two planes, each contiguous: no strided host copy
+    out = torch.empty(2, 2 * N, H, D)
+    gather_blocks(view, [5, 2], out)
+    assert torch.equal(out, part)
+
+
+@pytest.mark.parametrize("content", CONTENT_LAYOUTS)
+def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str) -> None:
+    """Several chunks of different lengths, in one batch: one indexing op fills the stage in
+    canonical order, each chunk's piece is its canonical layer, and the inverse puts every
+    block back; a stage too small for all of them splits the batch."""
+    kv = torch.randn(B, H, N, 2 * D)
+    view = blocks_view(kv, content, D)
+    rows = BlockRows(view)
+    chunks = [[4, 1], [3], [0, 5, 2]]
+    lists, sizes = rows.id_lists(chunks)
+    plan = rows.plan(chunks, [torch.tensor(ids) for ids in lists], sizes)
+    stage = torch.empty(plan.total, *rows.row_shape)
+    BlockRows.gather(rows.tables(view), plan, stage)
+    restored = torch.zeros_like(kv)
+    for ids, region in zip(chunks, rows.regions(stage, plan), strict=True):
+        want = torch.empty(2, len(ids) * N, H, D)
+        gather_blocks(view, ids, want)
+        got = torch.empty_like(want)
+        rows.to_chunk(region, len(ids), got, view, non_blocking=False)
+        assert torch.equal(got, want)
+    BlockRows.scatter(rows.tables(blocks_view(restored, content, D)), plan, stage)
+    assert torch.equal(restored, kv)
+    per_chunk = rows.rows_per_chunk(2)
+    assert rows.batches(chunks, 2 * per_chunk) == [[0, 1], [2]]
+    assert rows.batches(chunks, 1) == [[0], [1], [2]]  # (the stage always holds a whole chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
