@@ -8,19 +8,23 @@
 #   scripts/gpu-wheels.sh          # first, where a package index is reachable
 #   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|all]   # default: all
 #
-# Each part takes a few minutes; run them as separate commands where one command's time
-# is limited.
+# On an H100 (2026-11-26) the tests took 25-40 s and the benchmark about 45 s per content
+# layout; the store part takes minutes. Run the parts as separate commands where one
+# command's time is limited.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-all}"
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
-python="${PYTHON:-python}"
+python="${PYTHON:-python3}"
 
-# kvtier's own dependencies, from the carried wheels where the machine lacks them
+# kvtier's own dependencies, from the carried wheels where the machine lacks them (into a
+# folder of their own: the machine's Python environment is left as it is)
 if ! "$python" -c "import lmdb, zstandard, xxhash" 2>/dev/null; then
   [[ -d .gpu-wheels ]] || { echo "lmdb/zstandard/xxhash missing and no .gpu-wheels/: run scripts/gpu-wheels.sh first" >&2; exit 2; }
-  "$python" -m pip install --quiet --no-index --find-links .gpu-wheels lmdb zstandard xxhash
+  site="${TMPDIR:-/tmp}/kvtier-gpu-site"
+  "$python" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" .gpu-wheels/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log="$out/log.txt"  # the benchmarks' progress and errors

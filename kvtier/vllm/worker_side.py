@@ -121,7 +121,8 @@ class WorkerSide:
         self.tables = [self.rows.tables(v) for v in self.views]
         row_shape = self.rows.row_shape
         row_bytes = math.prod(row_shape) * self.dtype.itemsize
-        stage_rows = max(self.rows.rows_per_chunk(-(-namespace.chunk_tokens // block_size)),
+        # (at least a whole chunk, every layer: see _gather_late)
+        stage_rows = max(len(self.views) * self.rows.rows_per_chunk(-(-namespace.chunk_tokens // block_size)),
                          STAGE_BYTES // row_bytes)
         self._stage = torch.empty((stage_rows, *row_shape), dtype=self.dtype, device=self.copies.device)
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
@@ -293,23 +294,48 @@ class WorkerSide:
     def _finish_saves(self, meta: KVTierMetadata | None) -> None:
         if self._staged is None and (meta is None or not meta.saves):
             return
-        late = 0
+        late: list[int] = []
+        blocks_read = None
         try:
             with self.copies.after_compute():
                 if self._staged is None:  # no layer hook ran: a CUDA graph replayed the forward
                     self._plan_saves(meta)  # type: ignore[arg-type]
-                late = self._gathered.count(False)
-                for li in range(len(self.views)):
-                    self._gather(li)
+                late = [li for li, done in enumerate(self._gathered) if not done]
+                blocks_read = self._gather_late(late)
         except Exception as exc:
             log.warning("kvtier: copying KV to save failed: %s; the step's chunks stay uncached", exc)
             self._end_saves(store=False)
             return
         if late:
-            self._bump(save_layers_after_forward=late)
-        self._end_saves(store=True)
+            self._bump(save_layers_after_forward=len(late))
+        self._end_saves(store=True, blocks_read=blocks_read)
 
-    def _end_saves(self, *, store: bool) -> None:
+    def _gather_late(self, late: list[int]) -> torch.cuda.Event | None:
+        """Copy the layers no hook copied (inside ``after_compute``). Where all of them fit
+        the stage (one chunk's layers always do), every gather goes first, each into its own
+        part of the stage, then the host copies: the next step's compute need wait only for
+        the gathers (returns the event after them), not for the copies to host memory, which
+        under a replayed CUDA graph all come after the forward pass."""
+        rows = sum(plan.total for plan, _ in self._save_batches) * len(late)
+        if not late or rows > self._stage.shape[0]:
+            for li in late:
+                self._gather(li)
+            return None
+        parts, at = [], 0
+        for li in late:
+            for plan, chunks in self._save_batches:
+                region = self._stage.narrow(0, at, plan.total)
+                BlockRows.gather(self.tables[li], plan, region)
+                parts.append((li, region, plan, chunks))
+                at += plan.total
+        event = self.copies.record()
+        for li, region, plan, chunks in parts:
+            for piece, (_, layers, blocks) in zip(self.rows.regions(region, plan), chunks, strict=True):
+                self.rows.to_chunk(piece, blocks, layers[li], self.views[li], self.copies.non_blocking)
+            self._gathered[li] = True
+        return event
+
+    def _end_saves(self, *, store: bool, blocks_read: torch.cuda.Event | None = None) -> None:
         staged, self._staged = self._staged or [], None
         self._save_batches = []
         event = self.copies.record()
@@ -317,8 +343,9 @@ class WorkerSide:
         # the compute stream waits for them (on the device; this thread does not), from right
         # after this forward pass. Not later: vLLM's model runner V2 zeroes and copies blocks
         # for the next step before it calls the connector's first hook (handle_preemptions).
-        # One event stands for all earlier ones: they are on the same stream.
-        self.copies.compute_waits_for(event)
+        # One event stands for all earlier ones: they are on the same stream; where the last
+        # gathers went before the copies to host memory (``blocks_read``), only for those.
+        self.copies.compute_waits_for(blocks_read if blocks_read is not None else event)
         if self._staged_index is not None:
             self._save_index.hold(self._staged_index, event)
             self._staged_index = None

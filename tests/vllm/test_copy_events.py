@@ -116,6 +116,55 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
         store.close()
 
 
+def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No layer hook ran (a full CUDA graph replayed the forward pass), so wait_for_save
+    copies every layer after it. All the gathers go first, then the copies to host memory:
+    the compute stream waits for the event between the two (the blocks are read, the next
+    step may reuse them), the writer thread for the one after the copies; the chunks are
+    saved whole."""
+    from kvtier.vllm.block_rows import BlockRows
+    from kvtier.vllm.metadata import SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    order: list[str] = []
+    gather, to_chunk, record = BlockRows.gather, BlockRows.to_chunk, copies.record
+
+    def logged(name: str, fn):  # noqa: ANN001, ANN202
+        def call(*args: object) -> object:
+            order.append(name)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(BlockRows, "gather", staticmethod(logged("gather", gather)))
+    monkeypatch.setattr(BlockRows, "to_chunk", logged("host copy", to_chunk))
+    monkeypatch.setattr(copies, "record", logged("event", record))
+    try:
+        keys = [os.urandom(32), os.urandom(32)]
+        ids = [list(range(PER_CHUNK)), list(range(PER_CHUNK, 2 * PER_CHUNK))]
+        save_step(worker, caches, [SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)],
+                  layer_hooks=False)
+        assert order == ["gather"] * G.layers + ["event"] + ["host copy"] * (2 * G.layers) + ["event"]
+        blocks_read, copied = copies.events
+        assert copies.compute_waits == [blocks_read]
+        blocks_read.complete()
+        assert not store.flush(0.5)  # the writer waits for the copies to host memory
+        copied.complete()
+        assert store.flush(30)
+        store.host.clear()
+        for key, b in zip(keys, ids, strict=True):
+            got = store.load(key).tensor
+            assert got is not None
+            for li, want in enumerate(_blocks(caches, b)):
+                k, v = want[..., : G.head_dim], want[..., G.head_dim :]
+                assert torch.equal(got[li][0], k.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+                assert torch.equal(got[li][1], v.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
 def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path) -> None:
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
