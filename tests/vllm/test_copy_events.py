@@ -82,6 +82,16 @@ def _blocks(caches: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tenso
     return [c[torch.tensor(ids)].clone() for c in caches.values()]
 
 
+def _assert_stored(store: ChunkStore, key: bytes, caches: dict[str, torch.Tensor], ids: list[int]) -> None:
+    """The stored chunk ``key`` holds blocks ``ids`` of every layer, in canonical layout."""
+    got = store.load(key).tensor
+    assert got is not None
+    for li, want in enumerate(_blocks(caches, ids)):  # [blocks, H, block, 2D] vs [2, tokens, H, D]
+        k, v = want[..., : G.head_dim], want[..., G.head_dim :]
+        assert torch.equal(got[li][0], k.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+        assert torch.equal(got[li][1], v.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+
+
 def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_for_them(tmp_path: Path) -> None:
     from kvtier.vllm.metadata import SaveSpec
 
@@ -104,12 +114,7 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
         worker.get_finished(set())
         assert not worker._in_flight
         store.host.clear()
-        got = store.load(key).tensor
-        assert got is not None
-        for li, want in enumerate(_blocks(caches, ids)):  # [blocks, H, block, 2D] vs [2, tokens, H, D]
-            k, v = want[..., : G.head_dim], want[..., G.head_dim :]
-            assert torch.equal(got[li][0], k.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
-            assert torch.equal(got[li][1], v.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+        _assert_stored(store, key, caches, ids)
     finally:
         copies.complete_all()
         worker.close()
@@ -153,12 +158,7 @@ def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
         assert store.flush(30)
         store.host.clear()
         for key, b in zip(keys, ids, strict=True):
-            got = store.load(key).tensor
-            assert got is not None
-            for li, want in enumerate(_blocks(caches, b)):
-                k, v = want[..., : G.head_dim], want[..., G.head_dim :]
-                assert torch.equal(got[li][0], k.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
-                assert torch.equal(got[li][1], v.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+            _assert_stored(store, key, caches, b)
     finally:
         copies.complete_all()
         worker.close()
