@@ -1,7 +1,9 @@
 """Worker side: copies KV between vLLM's paged blocks and kvtier chunks.
 
-Saves: ``save_kv_layer`` gathers this layer's blocks of each chunk being saved into a pooled
-host buffer (canonical layout), on the side stream, behind the layer's compute;
+Saves: ``save_kv_layer`` gathers this layer's blocks of every chunk being saved into a device
+stage with one indexing op, then copies each chunk's piece into its pooled host buffer
+(canonical layout; see ``kvtier.vllm.block_rows``), on the side stream, behind the layer's
+compute;
 ``wait_for_save`` gathers the layers whose hooks did not run (a CUDA graph replays the
 forward without them), has the compute stream wait for the gathers on the device (the blocks
 may be reused next step) and hands the chunks to the write-behind store with the event the
