@@ -6,11 +6,13 @@
 # and a markdown report and its JSON per benchmark run).
 #
 #   scripts/gpu-wheels.sh          # first, where a package index is reachable
-#   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|all]   # default: all
+#   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|storage-tests|all]   # default: all
 #
-# On an H100 (2026-11-26) the tests took 25-40 s and the benchmark about 45 s per content
-# layout; the store part takes minutes. Run the parts as separate commands where one
-# command's time is limited.
+# tests: tests/gpu; gpu: gpu_bench.py (GPU_ARGS: extra flags, e.g. "--contents kv_last
+# --chunk-tokens 1024 --chunks 4"); store: storage_bench.py on that disk; storage-tests:
+# tests/storage with CUDA visible. On an H100 (2026-11-26) tests took 25-40 s and the
+# benchmark about 45 s per content layout; store and storage-tests take minutes. With a
+# short lease run tests and gpu first, in one command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-all}"
@@ -35,15 +37,18 @@ print("python", platform.python_version(), "torch", torch.__version__,
 PY
 
 if [[ "$part" == tests || "$part" == all ]]; then
-  # tests/gpu skip without CUDA; the storage and CLI suites check the rest with CUDA visible
-  # a failure is reported, and the benchmarks still run
+  # tests/gpu skip without CUDA; a failure is reported, and the benchmarks still run
   "$python" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$out/tests.txt" | tail -5 || true
+fi
+if [[ "$part" == storage-tests || "$part" == all ]]; then
+  # the storage suite with CUDA visible (pinned pool buffers)
   "$python" -m pytest -q -p no:cacheprovider tests/storage -k "not dali" 2>&1 \
     | tee -a "$out/tests.txt" | tail -3 || true
 fi
 if [[ "$part" == gpu || "$part" == all ]]; then
+  # shellcheck disable=SC2086
   "$python" benchmarks/gpu_bench.py --dir "${TMPDIR:-/tmp}/kvtier-gpu-bench" --json "$out/gpu_bench.json" \
-    2>>"$log" | tee "$out/gpu_bench.md"
+    ${GPU_ARGS:-} 2>>"$log" | tee "$out/gpu_bench.md"
 fi
 if [[ "$part" == store || "$part" == all ]]; then
   for mib in 256 128; do
