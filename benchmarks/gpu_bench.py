@@ -27,7 +27,8 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
   or a replayed CUDA graph): prefill saving ``--chunks`` chunks, decode saving one, and
   decode saving one under a full CUDA graph (no layer hook runs: ``wait_for_save`` copies
   every layer); with the host time spent inside kvtier's hooks in that step (what a
-  launch-bound forward pass would pay in full); each timed until the device is idle, and
+  launch-bound forward pass would pay in full; with the device far behind it also counts
+  waits for room in CUDA's queue of pending work, which cost no wall time); each timed until the device is idle, and
   again until only the compute stream is (what the next step waits for: copies to host
   memory it need not wait for may still run);
 - a synchronous load (``load_async: false``) of ``--chunks`` chunks from the host tier

@@ -57,7 +57,9 @@ class BlockRows:
     layer must share it) and the copies through the stage."""
 
     def __init__(self, view: LayerView) -> None:
-        self.permuted = isinstance(view, PermutedBlocks)
+        # a packed layout's permutation (the same for every layer): applied per chunk
+        self._packed = view if isinstance(view, PermutedBlocks) else None
+        self.permuted = self._packed is not None
         if isinstance(view, PermutedBlocks):
             self.block_size = view.n
             self.row_shape = tuple(view.flat.shape[1:])
@@ -162,20 +164,18 @@ class BlockRows:
             at += size
         return out
 
-    def to_chunk(self, region: torch.Tensor, blocks: int, out: torch.Tensor, view: LayerView,
-                 non_blocking: bool) -> None:
+    def to_chunk(self, region: torch.Tensor, blocks: int, out: torch.Tensor, non_blocking: bool) -> None:
         """A chunk's stage piece (see :meth:`regions`) into its canonical layer ``out``
         ``[2, blocks*N, H, D]``: one copy."""
-        if isinstance(view, PermutedBlocks):
-            n, d = view.n, view.d
+        if self._packed is not None:
+            n, d = self._packed.n, self._packed.d
             heads = region.shape[1]
-            canon = region.index_select(2, view.perm).view(blocks, heads, 2, n, d).permute(2, 0, 3, 1, 4)
+            canon = region.index_select(2, self._packed.perm).view(blocks, heads, 2, n, d).permute(2, 0, 3, 1, 4)
             out.view(2, blocks, n, heads, d).copy_(canon, non_blocking=non_blocking)
             return
         out.copy_(region, non_blocking=non_blocking)
 
-    def from_chunk(self, src: torch.Tensor, blocks: int, region: torch.Tensor, view: LayerView,
-                   non_blocking: bool) -> None:
+    def from_chunk(self, src: torch.Tensor, blocks: int, region: torch.Tensor, non_blocking: bool) -> None:
         """A canonical layer ``src`` ``[2, >=blocks*N, H, D]`` (host) into a chunk's stage piece.
         A strided host source would be copied through a new pageable tensor, whose copy to a
         GPU waits for the stream: a source with a gap between its planes (a load that skips
@@ -183,11 +183,11 @@ class BlockRows:
         tokens = blocks * self.block_size
         if src.shape[1] != tokens:
             src = src.narrow(1, 0, tokens)
-        if isinstance(view, PermutedBlocks):
-            n, d = view.n, view.d
+        if self._packed is not None:
+            n, d = self._packed.n, self._packed.d
             heads = region.shape[1]
             s = src.reshape(2, blocks, n, heads, d).permute(1, 3, 0, 2, 4).reshape(blocks, heads, 2 * n * d)
-            region.index_copy_(2, view.perm, s.to(region.device, non_blocking=non_blocking))
+            region.index_copy_(2, self._packed.perm, s.to(region.device, non_blocking=non_blocking))
             return
         if src.is_contiguous():
             region.copy_(src, non_blocking=non_blocking)
@@ -201,13 +201,13 @@ def gather_blocks(view: LayerView, block_ids: Sequence[int], out: torch.Tensor) 
     through the batched path, with a stage of its own (tools and tests; the worker batches)."""
     rows, stage, plan = _one_chunk(view, block_ids)
     BlockRows.gather(rows.tables(view), plan, stage)
-    rows.to_chunk(rows.regions(stage, plan)[0], len(block_ids), out, view, non_blocking=False)
+    rows.to_chunk(rows.regions(stage, plan)[0], len(block_ids), out, non_blocking=False)
 
 
 def scatter_blocks(view: LayerView, block_ids: Sequence[int], src: torch.Tensor) -> None:
     """Copy ``src`` ``[2, >=len*N, H, D]`` into blocks ``block_ids`` of a layer's view."""
     rows, stage, plan = _one_chunk(view, block_ids)
-    rows.from_chunk(src, len(block_ids), rows.regions(stage, plan)[0], view, non_blocking=False)
+    rows.from_chunk(src, len(block_ids), rows.regions(stage, plan)[0], non_blocking=False)
     BlockRows.scatter(rows.tables(view), plan, stage)
 
 

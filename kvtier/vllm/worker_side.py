@@ -190,9 +190,11 @@ class WorkerSide:
             BlockRows.scatter(self.tables[0], plan, self._stage)
         self.copies.synchronize()
 
-    def _plan_rows(self, index: StepIndex, block_lists: list[list[int]]) -> list[tuple[list[int], RowPlan]]:
-        """Batches of chunks (their positions in ``block_lists``) that fit the stage, with
-        their rows uploaded in one copy (call inside ``after_compute``)."""
+    def _plan_rows(self, index: StepIndex,
+                   block_lists: list[list[int]]) -> list[tuple[RowPlan, list[tuple[int, torch.Tensor]]]]:
+        """Batches of chunks that fit the stage, with their rows uploaded in one copy (call
+        inside ``after_compute``): each batch's plan, and per chunk its position in
+        ``block_lists`` and its piece of the stage."""
         groups = self.rows.batches(block_lists, self._stage.shape[0])
         lists: list[list[int]] = []
         parts = []
@@ -203,7 +205,8 @@ class WorkerSide:
         uploaded = index.upload(lists)
         out, at = [], 0
         for group, n, sizes in parts:
-            out.append((group, self.rows.plan([block_lists[i] for i in group], uploaded[at : at + n], sizes)))
+            plan = self.rows.plan([block_lists[i] for i in group], uploaded[at : at + n], sizes)
+            out.append((plan, list(zip(group, self.rows.regions(self._stage, plan), strict=True))))
             at += n
         return out
 
@@ -262,11 +265,10 @@ class WorkerSide:
         self.store.touch(used)
         copying = [st for st in staged if st.buf is not None]
         self._staged_index = self._save_index.take()
-        self._save_batches = []
-        for group, plan in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying]):
-            regions = self.rows.regions(self._stage, plan)
-            self._save_batches.append((plan, [(region, copying[i].buf.unbind(0), blocks)  # type: ignore[union-attr]
-                                              for i, region, blocks in zip(group, regions, plan.blocks, strict=True)]))
+        self._save_batches = [
+            (plan, [(region, copying[i].buf.unbind(0), blocks)  # type: ignore[union-attr]
+                    for (i, region), blocks in zip(chunks, plan.blocks, strict=True)])
+            for plan, chunks in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying])]
         ids = meta.namespace_ids
         self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
         self._gathered = [False] * len(self.views)
@@ -276,11 +278,11 @@ class WorkerSide:
         """Copy layer ``li`` of this step's saves into their buffers (inside ``after_compute``)."""
         if self._gathered[li] or self._staged is None:
             return
-        tables, view, non_blocking = self.tables[li], self.views[li], self.copies.non_blocking
+        tables, non_blocking = self.tables[li], self.copies.non_blocking
         for plan, chunks in self._save_batches:
             BlockRows.gather(tables, plan, self._stage)
             for region, layers, blocks in chunks:
-                self.rows.to_chunk(region, blocks, layers[li], view, non_blocking)
+                self.rows.to_chunk(region, blocks, layers[li], non_blocking)
         self._gathered[li] = True
 
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
@@ -333,7 +335,7 @@ class WorkerSide:
         event = self.copies.record()
         for li, region, plan, chunks in parts:
             for piece, (_, layers, blocks) in zip(self.rows.regions(region, plan), chunks, strict=True):
-                self.rows.to_chunk(piece, blocks, layers[li], self.views[li], self.copies.non_blocking)
+                self.rows.to_chunk(piece, blocks, layers[li], self.copies.non_blocking)
             self._gathered[li] = True
         return event
 
@@ -532,20 +534,21 @@ class WorkerSide:
         try:
             index = self._load_index.take()
             with self.copies.after_compute():
-                batches = []  # per batch: its plan, and each chunk's layers, blocks and stage piece
-                for group, plan in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
-                    chunks = []
-                    for i, region, blocks in zip(group, self.rows.regions(self._stage, plan), plan.blocks, strict=True):
+                # per batch: its plan, and each chunk's layers (the tokens its blocks take,
+                # past the skipped ones), blocks and stage piece (made once, not per layer)
+                batches = []
+                for plan, chunks in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
+                    pieces = []
+                    for (i, region), blocks in zip(chunks, plan.blocks, strict=True):
                         chunk, data = loaded[i][1]
-                        skip = chunk.skip_blocks * self.block_size
-                        chunks.append(((data.narrow(2, skip, data.shape[2] - skip) if skip else data).unbind(0),
-                                       blocks, region))
-                    batches.append((plan, chunks))
+                        tokens = data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size)
+                        pieces.append((tokens.unbind(0), blocks, region))
+                    batches.append((plan, pieces))
                 non_blocking = self.copies.non_blocking
-                for li, view in enumerate(self.views):
-                    for plan, chunks in batches:
-                        for layers, blocks, region in chunks:
-                            self.rows.from_chunk(layers[li], blocks, region, view, non_blocking)
+                for li in range(len(self.views)):
+                    for plan, pieces in batches:
+                        for layers, blocks, region in pieces:
+                            self.rows.from_chunk(layers[li], blocks, region, non_blocking)
                         BlockRows.scatter(self.tables[li], plan, self._stage)
                     if layer_events:
                         self._layer_ready[li] = self.copies.record()

@@ -86,7 +86,7 @@ def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str) -> 
         want = torch.empty(2, len(ids) * N, H, D)
         gather_blocks(view, ids, want)
         got = torch.empty_like(want)
-        rows.to_chunk(region, len(ids), got, view, non_blocking=False)
+        rows.to_chunk(region, len(ids), got, non_blocking=False)
         assert torch.equal(got, want)
     BlockRows.scatter(rows.tables(blocks_view(restored, content, D)), plan, stage)
     assert torch.equal(restored, kv)
