@@ -70,15 +70,17 @@ def make_kv_caches(g: Geometry, content: str, device: str | torch.device) -> dic
     return caches
 
 
-def make_worker(store, g: Geometry, content: str, device: str | torch.device):  # noqa: ANN001, ANN201
-    """A :class:`WorkerSide` over fresh KV caches: ``(worker, caches)``."""
+def make_worker(store, g: Geometry, content: str, device: str | torch.device,  # noqa: ANN001, ANN201
+                **worker_args: object):
+    """A :class:`WorkerSide` over fresh KV caches: ``(worker, caches)`` (``worker_args``: more
+    of its arguments, e.g. ``stage_bytes``)."""
     ensure_metadata_base()
     from kvtier.vllm.worker_side import WorkerSide
 
     ns = Namespace(model="worker-rig", weights_fingerprint="sha256:rig", dtype=str(g.dtype).removeprefix("torch."),
                    kv_shape=(g.layers, 2, g.kv_heads, g.head_dim), chunk_tokens=g.chunk_tokens)
     caches = make_kv_caches(g, content, device)
-    worker = WorkerSide(store, ns, list(caches), caches, content, g.block_size)
+    worker = WorkerSide(store, ns, list(caches), caches, content, g.block_size, **worker_args)  # type: ignore[arg-type]
     return worker, caches
 
 
@@ -218,3 +220,84 @@ def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geome
                   if not all(torch.equal(a, b) for a, b in zip(blocks(d), want[i], strict=True))]
     return {"mismatches": mismatches, "failed_blocks": sorted(failed),
             "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - before, **idle}
+
+
+def grouped_round_trip(store, g: Geometry, content: str, device: str | torch.device) -> dict[str, object]:  # noqa: ANN001
+    """The worker with layers copied two at a time (``copy_bytes`` two layers of a chunk) and
+    the smallest stage (every group of one chunk: with ``g.layers`` 5, three chunks per
+    batch), over a step of four full chunks and a partial one (two batches) whose layer hooks
+    come in reverse order, each layer's KV written just before its hook as a forward pass
+    writes it, a five-chunk step replayed as a CUDA graph (no hook: copied after the forward,
+    batch by batch) and a one-chunk one (every gather first, then its copies). Then every
+    chunk is loaded into other blocks, synchronously and asynchronously, and the first once
+    more skipping its first block. Returns the worker's grouping, the stage's rows, the
+    layers copied after the forward pass, and the loads' failed blocks and ``mismatches``
+    (both must be empty); ``loaded``: chunk loads compared."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    per = g.chunk_tokens // g.block_size
+    worker, caches = make_worker(store, g, content, device, stage_bytes=0, copy_bytes=2 * g.chunk_bytes // g.layers)
+    out: dict[str, object] = {"per_copy": worker.per_copy, "groups": [len(r) for r in worker._groups],
+                              "sync_groups": [len(r) for r in worker._sync_groups],
+                              "stage_rows": worker._stage.shape[0], "rows_per_chunk": worker.rows.rows_per_chunk(per)}
+    gen = torch.Generator().manual_seed(1)
+    final = {name: torch.randn(c.shape, generator=gen).to(c.dtype).to(c.device) for name, c in caches.items()}
+    for name, c in caches.items():
+        c.copy_(final[name])
+    blocks = torch.randperm(g.num_blocks, generator=gen).tolist()
+    saved: list[tuple[bytes, int, list[int]]] = []  # key, tokens, source blocks
+
+    def spec(n_blocks: int) -> SaveSpec:
+        ids, blocks[:] = blocks[:n_blocks], blocks[n_blocks:]
+        key = os.urandom(32)
+        saved.append((key, n_blocks * g.block_size, ids))
+        return SaveSpec("r", (key,), 0, n_blocks * g.block_size, ids)
+
+    steps = [([spec(per) for _ in range(4)] + [spec(2)], True),
+             ([spec(per) for _ in range(5)], False),
+             ([spec(per)], False)]
+    for specs, hooks in steps:
+        meta = KVTierMetadata(saves=specs)
+        if hooks:
+            for c in caches.values():
+                c.fill_(float("nan"))
+            for name in reversed(list(caches)):
+                caches[name].copy_(final[name])
+                worker.save_layer(meta, name)
+        worker.finish_saves(meta)
+    store.flush(60)
+    out["late_layers"] = worker.take_stats().get("save_layers_after_forward", 0)
+    store.host.clear()
+
+    def read(ids: list[int]) -> list[torch.Tensor]:
+        return [c[torch.tensor(ids, device=c.device)].cpu() for c in caches.values()]
+
+    expected = [read(ids) for _, _, ids in saved]
+    for c in caches.values():
+        c.zero_()
+
+    def chunk(i: int, skip: int = 0) -> tuple[ChunkLoad, list[int]]:
+        key, tokens, ids = saved[i]
+        dest, blocks[:] = blocks[: len(ids) - skip], blocks[len(ids) - skip:]
+        return ChunkLoad((key,), 0, tokens, skip, dest), dest
+
+    failed: set[int] = set()
+    mismatches: list[str] = []
+    for sync in (True, False):
+        loads = [chunk(i) for i in range(len(saved))]
+        load = LoadSpec(f"sync={sync}", [c for c, _ in loads], sync=sync)
+        if sync:
+            load_sync(worker, [load])
+        else:
+            worker.start_loads(KVTierMetadata(loads=[load]))
+            wait_reported(worker, load.req_id)
+        failed |= worker.take_load_errors()
+        mismatches += [f"{load.req_id} chunk {i}" for i, ((_, dest), want) in enumerate(zip(loads, expected, strict=True))
+                       if not all(torch.equal(a, b) for a, b in zip(read(dest), want, strict=True))]
+    skipped, dest = chunk(0, skip=1)
+    load_sync(worker, [LoadSpec("skip", [skipped], sync=True)])
+    failed |= worker.take_load_errors()
+    if not all(torch.equal(a, b[1:]) for a, b in zip(read(dest), expected[0], strict=True)):
+        mismatches.append("skip chunk 0")
+    worker.close()
+    return {**out, "failed": sorted(failed), "mismatches": mismatches, "loaded": 2 * len(saved) + 1}

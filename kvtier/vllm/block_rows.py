@@ -17,6 +17,12 @@ tensor:
 That is ``1 + chunks`` operations per layer instead of ``3 * chunks``; measured on an H100,
 a 16-chunk save ran at 40 GB/s against 17, and did not block with the forward pass queued.
 
+Each copy between device and host memory also has a fixed cost (1 MiB copies ran at 0.70x of
+the link's rate, 4 MiB ones at 0.80x), so on a GPU the stage holds several layers of each
+chunk (``RowPlan.layers`` slots) laid out as its host buffer holds them, and one copy moves a
+chunk's group of layers at once. A layer then goes through a scratch area: one gather, then
+one ``index_copy_`` into its slot of every chunk (a load: the reverse).
+
 To gather blocks with one op whatever the backend's strides, each strided view part
 ``[B, P, N, H, D]`` is seen as a table of rows ``[R, N, H, D]`` over the same memory: row
 ``b * block_step + p * plane_step`` is plane ``p`` of block ``b`` (the steps are the view's
@@ -37,19 +43,50 @@ import torch
 
 from kvtier.vllm.layout import LayerView, PermutedBlocks, UnsupportedLayout
 
-# Device memory the stage may take: a batch holds as many chunks (of one layer) as fit, at
-# least one. 16 MiB holds 16 chunks of a Llama-3-8B rank (1 MiB per 256-token chunk and layer).
-STAGE_BYTES = 16 << 20
+# What one layer of a batch of chunks may take in the device stage by default: the stage holds
+# that in each layer slot and in the scratch (see WorkerSide), and one chunk's every layer at
+# least. 8 MiB holds 8 chunks of a Llama-3-8B rank (1 MiB per 256-token chunk and layer).
+BATCH_BYTES = 8 << 20
+# How large a copy between device and host memory should be: each copy has a fixed cost on a
+# GPU, so a chunk's layers are copied several at a time, up to about this many bytes (on an
+# H100, 1 MiB copies ran at 0.70x of the link's rate, 4 MiB ones at 0.80x).
+COPY_BYTES = 8 << 20
 
 
 class RowPlan(NamedTuple):
-    """One batch of chunks as rows of a layer's tables, in stage order."""
+    """One batch of chunks as rows of a layer's tables, and where they go in the stage.
+
+    The stage holds ``layers`` slots of every chunk, chunk after chunk: chunk ``c``'s region
+    starts at ``layers * (rows of the chunks before it)`` and holds its layers' canonical rows
+    one after the other, which is how a pooled host buffer holds them, so that ``layers``
+    layers of a chunk move between device and host in one copy. A gather reads a layer's rows
+    table after table into a scratch area past the slots, then puts each into its slot with
+    one ``index_copy_`` (the slot's stage positions, ``slots``); with one slot and one table
+    it reads straight into the stage (``slots`` None, no scratch)."""
 
     rows: list[torch.Tensor]  # per table: its row ids (long, on the device)
-    at: list[torch.Tensor | None]  # per table: the stage rows they fill (None: all, in order)
-    sizes: list[int]  # stage rows per chunk
+    slots: list[torch.Tensor] | None  # per layer slot: the stage row of each scratch row
+    sizes: list[int]  # rows per chunk and layer
     blocks: list[int]  # blocks per chunk
-    total: int  # stage rows in all
+    total: int  # rows per layer, all chunks
+    layers: int  # layer slots per chunk
+
+    @property
+    def stage_rows(self) -> int:
+        """Stage rows the batch takes: its slots, and the scratch (if any)."""
+        return self.total * (self.layers + (self.slots is not None))
+
+
+def layer_groups(layers: int, per_copy: int, first: int | None = None) -> list[range]:
+    """Layers ``0..layers`` in groups of ``per_copy`` (the first of ``first`` layers, if given:
+    a load whose forward pass waits layer by layer starts with a small group)."""
+    out, at = [], 0
+    size = first or per_copy
+    while at < layers:
+        out.append(range(at, min(layers, at + size)))
+        at += size
+        size = per_copy
+    return out
 
 
 class BlockRows:
@@ -95,12 +132,26 @@ class BlockRows:
     def rows_per_chunk(self, blocks: int) -> int:
         return blocks if self.permuted else blocks * self.planes
 
-    def batches(self, block_lists: Sequence[Sequence[int]], stage_rows: int) -> list[list[int]]:
-        """Split chunks (their block ids) into batches whose rows fit the stage: indices."""
+    def layers_per_copy(self, layer_bytes: int, layers: int, copy_bytes: int) -> int:
+        """Layer slots per chunk: enough that a copy of a chunk's layers is about
+        ``copy_bytes`` (``layer_bytes``: one layer of a whole chunk); one for a packed layout,
+        whose layers are converted one by one on their way to host memory."""
+        if self.permuted:
+            return 1
+        return max(1, min(layers, -(-copy_bytes // max(1, layer_bytes))))
+
+    def scratch(self, layers: int) -> bool:
+        """Whether a batch with ``layers`` slots goes through the scratch area."""
+        return layers > 1 or len(self._parts) > 1
+
+    def batches(self, block_lists: Sequence[Sequence[int]], stage_rows: int, layers: int = 1) -> list[list[int]]:
+        """Split chunks (their block ids) into batches whose rows, with ``layers`` slots,
+        fit the stage: indices (a batch holds one chunk at least)."""
+        per_row = layers + self.scratch(layers)
         out: list[list[int]] = []
         used = 0
         for i, ids in enumerate(block_lists):
-            need = self.rows_per_chunk(len(ids))
+            need = self.rows_per_chunk(len(ids)) * per_row
             if not out or used + need > stage_rows:
                 out.append([])
                 used = 0
@@ -108,65 +159,81 @@ class BlockRows:
             used += need
         return out
 
-    def id_lists(self, block_lists: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
-        """The row ids (and, with several tables, the stage rows) to upload for one batch:
-        ``rows_0, [at_0,] rows_1, [at_1, ...]``; and the stage rows per chunk."""
+    def id_lists(self, block_lists: Sequence[Sequence[int]], layers: int = 1) -> tuple[list[list[int]], list[int]]:
+        """The lists to upload for one batch with ``layers`` slots: each table's row ids,
+        then (through the scratch) each slot's stage rows; and the rows per chunk."""
         sizes = [self.rows_per_chunk(len(ids)) for ids in block_lists]
         lists: list[list[int]] = []
-        several = len(self._parts) > 1
+        canon: list[int] = []  # per scratch row: chunk-major position in a one-slot stage
+        starts: list[int] = []  # per scratch row: where its chunk's first slot starts, and its size
+        sizes_of: list[int] = []
         for block_step, plane_step, planes, first in self._parts:
-            rows, at, base = [], [], 0
+            rows, base = [], 0
             for ids, size in zip(block_lists, sizes, strict=True):
                 nb = len(ids)
                 for p in range(planes):
                     rows.extend(b * block_step + p * plane_step for b in ids)
-                    start = base + (first + p) * nb
-                    at.extend(range(start, start + nb))
+                    canon.extend(range((first + p) * nb, (first + p + 1) * nb))
+                starts.extend([base * layers] * (planes * nb))
+                sizes_of.extend([size] * (planes * nb))
                 base += size
             lists.append(rows)
-            if several:
-                lists.append(at)
+        if self.scratch(layers):
+            for slot in range(layers):
+                lists.append([s + slot * n + c for s, n, c in zip(starts, sizes_of, canon, strict=True)])
         return lists, sizes
 
-    def plan(self, block_lists: Sequence[Sequence[int]], uploaded: list[torch.Tensor], sizes: list[int]) -> RowPlan:
-        several = len(self._parts) > 1
-        rows = uploaded[:: 2 if several else 1]
-        at: list[torch.Tensor | None] = list(uploaded[1::2]) if several else [None]
-        return RowPlan(rows, at, sizes, [len(ids) for ids in block_lists], sum(sizes))
+    def plan(self, block_lists: Sequence[Sequence[int]], uploaded: list[torch.Tensor], sizes: list[int],
+             layers: int = 1) -> RowPlan:
+        tables = len(self._parts)
+        slots = list(uploaded[tables:]) if self.scratch(layers) else None
+        return RowPlan(list(uploaded[:tables]), slots, sizes, [len(ids) for ids in block_lists], sum(sizes), layers)
 
     # -- copies (enqueued on the caller's stream) ---------------------------------------
     @staticmethod
-    def gather(tables: list[torch.Tensor], plan: RowPlan, stage: torch.Tensor) -> None:
-        """Every chunk of ``plan`` from one layer's tables into the stage."""
-        region = stage.narrow(0, 0, plan.total)
-        if plan.at[0] is None:
-            torch.index_select(tables[0], 0, plan.rows[0], out=region)
+    def gather(tables: list[torch.Tensor], plan: RowPlan, stage: torch.Tensor, slot: int = 0) -> None:
+        """Every chunk of ``plan`` from one layer's tables into layer slot ``slot`` of the
+        stage (the batch's part of it, which starts at row 0)."""
+        if plan.slots is None:
+            torch.index_select(tables[0], 0, plan.rows[0], out=stage.narrow(0, 0, plan.total))
             return
-        for table, rows, at in zip(tables, plan.rows, plan.at, strict=True):
-            region.index_copy_(0, at, table.index_select(0, rows))
+        scratch = stage.narrow(0, plan.layers * plan.total, plan.total)
+        at = 0
+        for table, rows in zip(tables, plan.rows, strict=True):
+            torch.index_select(table, 0, rows, out=scratch.narrow(0, at, rows.shape[0]))
+            at += rows.shape[0]
+        stage.narrow(0, 0, plan.layers * plan.total).index_copy_(0, plan.slots[slot], scratch)
 
     @staticmethod
-    def scatter(tables: list[torch.Tensor], plan: RowPlan, stage: torch.Tensor) -> None:
-        """The stage's rows into one layer's tables (the inverse of :meth:`gather`)."""
-        region = stage.narrow(0, 0, plan.total)
-        for table, rows, at in zip(tables, plan.rows, plan.at, strict=True):
-            table.index_copy_(0, rows, region if at is None else region.index_select(0, at))
+    def scatter(tables: list[torch.Tensor], plan: RowPlan, stage: torch.Tensor, slot: int = 0) -> None:
+        """Layer slot ``slot`` of the stage into one layer's tables (the inverse of
+        :meth:`gather`)."""
+        if plan.slots is None:
+            tables[0].index_copy_(0, plan.rows[0], stage.narrow(0, 0, plan.total))
+            return
+        scratch = stage.narrow(0, plan.layers * plan.total, plan.total)
+        torch.index_select(stage.narrow(0, 0, plan.layers * plan.total), 0, plan.slots[slot], out=scratch)
+        at = 0
+        for table, rows in zip(tables, plan.rows, strict=True):
+            table.index_copy_(0, rows, scratch.narrow(0, at, rows.shape[0]))
+            at += rows.shape[0]
 
-    def regions(self, stage: torch.Tensor, plan: RowPlan) -> list[torch.Tensor]:
-        """Each chunk's piece of the stage, as :meth:`to_chunk` and :meth:`from_chunk` take it
-        (made once per batch: the copies of every layer reuse them). A strided layout's piece
-        is the chunk's canonical layer ``[2, blocks*N, H, D]`` already."""
+    def regions(self, stage: torch.Tensor, plan: RowPlan, first: int = 0, count: int = 1) -> list[torch.Tensor]:
+        """Each chunk's layer slots ``first .. first + count`` of the stage, as
+        :meth:`to_chunk` and :meth:`from_chunk` take them (made once per batch and group).
+        A strided layout's are the chunk's canonical layers ``[count, 2, blocks*N, H, D]``
+        already; a packed layout's (one slot) its rows ``[blocks, H, 2*N*D]``."""
         out, at = [], 0
         for size, blocks in zip(plan.sizes, plan.blocks, strict=True):
-            region = stage.narrow(0, at, size)
+            region = stage.narrow(0, at + first * size, count * size)
             out.append(region if self.permuted else
-                       region.view(self.planes, blocks * self.block_size, *self.row_shape[1:]))
-            at += size
+                       region.view(count, self.planes, blocks * self.block_size, *self.row_shape[1:]))
+            at += size * plan.layers
         return out
 
     def to_chunk(self, region: torch.Tensor, blocks: int, out: torch.Tensor, non_blocking: bool) -> None:
-        """A chunk's stage piece (see :meth:`regions`) into its canonical layer ``out``
-        ``[2, blocks*N, H, D]``: one copy."""
+        """A chunk's stage region (see :meth:`regions`) into its canonical layers ``out``
+        ``[count, 2, blocks*N, H, D]`` (a pooled buffer's, contiguous): one copy."""
         if self._packed is not None:
             n, d = self._packed.n, self._packed.d
             heads = region.shape[1]
@@ -176,13 +243,14 @@ class BlockRows:
         out.copy_(region, non_blocking=non_blocking)
 
     def from_chunk(self, src: torch.Tensor, blocks: int, region: torch.Tensor, non_blocking: bool) -> None:
-        """A canonical layer ``src`` ``[2, >=blocks*N, H, D]`` (host) into a chunk's stage piece.
-        A strided host source would be copied through a new pageable tensor, whose copy to a
-        GPU waits for the stream: a source with a gap between its planes (a load that skips
-        leading blocks or stops short) goes plane by plane, each straight from the buffer."""
+        """Canonical layers ``src`` ``[count, 2, >=blocks*N, H, D]`` (host) into a chunk's stage
+        region. A strided host source would be copied through a new pageable tensor, whose
+        copy to a GPU waits for the stream: a source with gaps (a load that skips leading
+        blocks or stops short) goes layer by layer and plane by plane, each piece straight
+        from the buffer."""
         tokens = blocks * self.block_size
-        if src.shape[1] != tokens:
-            src = src.narrow(1, 0, tokens)
+        if src.shape[2] != tokens:
+            src = src.narrow(2, 0, tokens)
         if self._packed is not None:
             n, d = self._packed.n, self._packed.d
             heads = region.shape[1]
@@ -192,8 +260,9 @@ class BlockRows:
         if src.is_contiguous():
             region.copy_(src, non_blocking=non_blocking)
             return
-        for k in range(src.shape[0]):
-            region[k].copy_(src[k], non_blocking=non_blocking)
+        for layer, part in zip(src, region, strict=True):
+            for k in range(layer.shape[0]):
+                part[k].copy_(layer[k], non_blocking=non_blocking)
 
 
 def gather_blocks(view: LayerView, block_ids: Sequence[int], out: torch.Tensor) -> None:
@@ -201,13 +270,13 @@ def gather_blocks(view: LayerView, block_ids: Sequence[int], out: torch.Tensor) 
     through the batched path, with a stage of its own (tools and tests; the worker batches)."""
     rows, stage, plan = _one_chunk(view, block_ids)
     BlockRows.gather(rows.tables(view), plan, stage)
-    rows.to_chunk(rows.regions(stage, plan)[0], len(block_ids), out, non_blocking=False)
+    rows.to_chunk(rows.regions(stage, plan)[0], len(block_ids), out.unsqueeze(0), non_blocking=False)
 
 
 def scatter_blocks(view: LayerView, block_ids: Sequence[int], src: torch.Tensor) -> None:
     """Copy ``src`` ``[2, >=len*N, H, D]`` into blocks ``block_ids`` of a layer's view."""
     rows, stage, plan = _one_chunk(view, block_ids)
-    rows.from_chunk(src, len(block_ids), rows.regions(stage, plan)[0], non_blocking=False)
+    rows.from_chunk(src.unsqueeze(0), len(block_ids), rows.regions(stage, plan)[0], non_blocking=False)
     BlockRows.scatter(rows.tables(view), plan, stage)
 
 
@@ -216,4 +285,4 @@ def _one_chunk(view: LayerView, block_ids: Sequence[int]) -> tuple[BlockRows, to
     table = rows.tables(view)[0]
     lists, sizes = rows.id_lists([list(block_ids)])
     plan = rows.plan([block_ids], [torch.tensor(ids, dtype=torch.long, device=table.device) for ids in lists], sizes)
-    return rows, torch.empty((plan.total, *rows.row_shape), dtype=table.dtype, device=table.device), plan
+    return rows, torch.empty((plan.stage_rows, *rows.row_shape), dtype=table.dtype, device=table.device), plan

@@ -44,6 +44,9 @@ class ConnectorSettings:
     # Offline producers only (warm-up): seconds a step may wait for room in the write queue
     # and for chunk buffers instead of dropping saves. 0 (servers): never wait for storage.
     save_wait_s: float = 0.0
+    # Device memory for the worker's copy stage (None: its default, 8 MiB of a batch of
+    # chunks per layer slot; see WorkerSide). Never less than one chunk's every layer needs.
+    device_stage_bytes: int | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -87,6 +90,8 @@ class ConnectorSettings:
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_SAVE_WAIT_S:
             raise ConfigError(f"save_wait_s: must be seconds from 0 to {MAX_SAVE_WAIT_S:.0f} (0: drop saves "
                               f"that do not fit, as a server must), got {wait!r}")
+        stage = mine.get("device_stage_bytes")
+        stage = None if stage is None else parse_size(stage, "device_stage_bytes")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
                    save_partial_chunks=partial, save_decode_chunks=decode, load_async=load_async, prefetch_bytes=prefetch,
-                   prefetch_reader=reader, save_wait_s=float(wait))
+                   prefetch_reader=reader, save_wait_s=float(wait), device_stage_bytes=stage)

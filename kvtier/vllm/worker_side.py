@@ -1,9 +1,10 @@
 """Worker side: copies KV between vLLM's paged blocks and kvtier chunks.
 
-Saves: ``save_kv_layer`` gathers this layer's blocks of every chunk being saved into a device
-stage with one indexing op, then copies each chunk's piece into its pooled host buffer
-(canonical layout; see ``kvtier.vllm.block_rows``), on the side stream, behind the layer's
-compute;
+Saves: once ``save_kv_layer`` has run for every layer of a group (``per_copy`` layers; one on
+the CPU), each layer's blocks of every chunk being saved are gathered into a device stage
+with one or two indexing ops, then each chunk's layers of the group go into its pooled host
+buffer in one copy (canonical layout; see ``kvtier.vllm.block_rows``), on the side stream,
+behind the layers' compute;
 ``wait_for_save`` gathers the layers whose hooks did not run (a CUDA graph replays the
 forward without them), has the compute stream wait for the gathers on the device (the blocks
 may be reused next step) and hands the chunks to the write-behind store with the event the
@@ -13,7 +14,8 @@ Loads: ``start_load_kv`` starts one background job per request that reads and ve
 chunks, several at once; each ``get_finished`` enqueues the scatter of the chunks that have
 arrived so far into the request's blocks (so the copies overlap the reads of later chunks),
 and reports the request once its job is done and all its copies are (an event, polled). Synchronous loads
-(``load_async: false``) read before the forward pass and scatter layer by layer:
+(``load_async: false``) read before the forward pass and scatter layer by layer (the first
+group is the first layer alone):
 ``wait_for_layer_load`` makes the compute stream wait for its layer only. Blocks whose chunk
 was missing or corrupt are reported through ``get_block_ids_with_load_errors`` so vLLM
 recomputes them; a failed synchronous load also discards the saves of its step and the next
@@ -37,7 +39,7 @@ import torch
 
 from kvtier.keys import Namespace
 from kvtier.store import ChunkStore, Loaded, Outcome
-from kvtier.vllm.block_rows import STAGE_BYTES, BlockRows, RowPlan
+from kvtier.vllm.block_rows import BATCH_BYTES, COPY_BYTES, BlockRows, RowPlan, layer_groups
 from kvtier.vllm.device import CopyStream, IndexRing, StepIndex
 from kvtier.vllm.layout import Content, blocks_view
 from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
@@ -99,7 +101,8 @@ class WorkerSide:
     def __init__(self, store: ChunkStore, namespace: Namespace, layer_names: list[str],
                  kv_caches: dict[str, torch.Tensor], content: Content, block_size: int,
                  any_rank: Callable[[bool], bool] | None = None, save_wait_s: float = 0.0,
-                 unsafe_save_steps: int = UNSAFE_SAVE_STEPS) -> None:
+                 unsafe_save_steps: int = UNSAFE_SAVE_STEPS, stage_bytes: int | None = None,
+                 copy_bytes: int | None = None) -> None:
         self.store = store
         self.unsafe_save_steps = unsafe_save_steps  # 1 where vLLM schedules synchronously
         # offline producers (warm-up) only: how long a step may wait for the writer to make
@@ -117,16 +120,33 @@ class WorkerSide:
         self.views = [blocks_view(kv_caches[n], content, self.head_dim) for n in layer_names]
         self.dtype = kv_caches[layer_names[0]].dtype
         self.copies = CopyStream(kv_caches[layer_names[0]].device)
-        # chunks are copied in batches, layer by layer, through one staging tensor on the
-        # device (see kvtier.vllm.block_rows): its size is fixed now, whatever the steps ask
+        # chunks are copied in batches through one staging tensor on the device, gathered
+        # layer by layer and moved to and from host memory a group of layers at a time (see
+        # kvtier.vllm.block_rows): its size is fixed now, whatever the steps ask
         self.rows = BlockRows(self.views[0])
         self.tables = [self.rows.tables(v) for v in self.views]
         row_shape = self.rows.row_shape
         row_bytes = math.prod(row_shape) * self.dtype.itemsize
-        # (at least a whole chunk, every layer: see _gather_late)
-        stage_rows = max(len(self.views) * self.rows.rows_per_chunk(-(-namespace.chunk_tokens // block_size)),
-                         STAGE_BYTES // row_bytes)
-        self._stage = torch.empty((stage_rows, *row_shape), dtype=self.dtype, device=self.copies.device)
+        chunk_rows = self.rows.rows_per_chunk(-(-namespace.chunk_tokens // block_size))
+        layers = len(self.views)
+        # On a GPU every copy between device and host memory has a fixed cost: a chunk's
+        # layers go several at a time (COPY_BYTES). On the CPU that copy is a memcpy with no
+        # such cost, and the pass through the stage's scratch that grouping needs (an
+        # index_copy_, about 4x slower there than a gather) would: one layer per copy.
+        if copy_bytes is None:
+            copy_bytes = COPY_BYTES if self.copies.is_cuda else 0
+        self.per_copy = self.rows.layers_per_copy(chunk_rows * row_bytes, layers, copy_bytes)
+        self._groups = layer_groups(layers, self.per_copy)
+        # a forward pass that waits for a load layer by layer gets its first layer soonest
+        self._sync_groups = layer_groups(layers, self.per_copy, first=1)
+        # the stage: BATCH_BYTES of a batch's rows in each layer slot and in the scratch, and at
+        # least every group of a whole chunk at once (see _gather_late)
+        per_row = self.per_copy + self.rows.scratch(self.per_copy)
+        if stage_bytes is None:
+            stage_bytes = BATCH_BYTES * per_row
+        need = len(self._groups) * chunk_rows * per_row
+        self._stage = torch.empty((max(need, stage_bytes // row_bytes), *row_shape), dtype=self.dtype,
+                                  device=self.copies.device)
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
         # step allocates (the first saves would pay for new pinned memory on this thread)
         store.reserve_buffers((len(self.views), 2, namespace.chunk_tokens, self.heads, self.head_dim), self.dtype)
@@ -150,11 +170,11 @@ class WorkerSide:
         self._save_index = IndexRing(self.copies.device)
         self._load_index = IndexRing(self.copies.device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
-        # this step's chunks to copy, in batches: each chunk's stage piece, its buffer's
-        # layers and its blocks (views made once per step, not per layer)
-        self._save_batches: list[tuple[RowPlan, list[tuple[torch.Tensor, tuple[torch.Tensor, ...], int]]]] = []
+        # this step's chunks to copy, in batches: each chunk's buffer and blocks
+        self._save_batches: list[tuple[RowPlan, list[tuple[torch.Tensor, int]]]] = []
         self._staged_index: StepIndex | None = None
-        self._gathered = [False] * len(self.views)  # which layers of this step's saves are copied
+        self._hooked = [False] * layers  # which layers' hooks ran this step
+        self._copied = [False] * len(self._groups)  # which groups of layers are copied
         self._save_namespace = namespace.id
         # host buffers that copies in flight may still write (save gathers) or read (load
         # scatters): kept until their event is done, so the pool does not reuse them under
@@ -183,30 +203,28 @@ class WorkerSide:
         it, which in the first saving step would stall the model's thread behind the forward
         pass (seen on an H100: 115 ms)."""
         index = StepIndex(self.copies.device)
-        lists, sizes = self.rows.id_lists([[0]])
-        plan = self.rows.plan([[0]], index.upload(lists), sizes)
+        ((plan, _),) = self._plan_rows(index, [[0]])
         with self.copies.after_compute():
             BlockRows.gather(self.tables[0], plan, self._stage)
             BlockRows.scatter(self.tables[0], plan, self._stage)
         self.copies.synchronize()
 
-    def _plan_rows(self, index: StepIndex,
-                   block_lists: list[list[int]]) -> list[tuple[RowPlan, list[tuple[int, torch.Tensor]]]]:
+    def _plan_rows(self, index: StepIndex, block_lists: list[list[int]]) -> list[tuple[RowPlan, list[int]]]:
         """Batches of chunks that fit the stage, with their rows uploaded in one copy (call
-        inside ``after_compute``): each batch's plan, and per chunk its position in
-        ``block_lists`` and its piece of the stage."""
-        groups = self.rows.batches(block_lists, self._stage.shape[0])
+        inside ``after_compute``): each batch's plan, and its chunks' positions in
+        ``block_lists``."""
+        batches = self.rows.batches(block_lists, self._stage.shape[0], self.per_copy)
         lists: list[list[int]] = []
         parts = []
-        for group in groups:
-            ids, sizes = self.rows.id_lists([block_lists[i] for i in group])
-            parts.append((group, len(ids), sizes))
+        for batch in batches:
+            ids, sizes = self.rows.id_lists([block_lists[i] for i in batch], self.per_copy)
+            parts.append((batch, len(ids), sizes))
             lists.extend(ids)
         uploaded = index.upload(lists)
         out, at = [], 0
-        for group, n, sizes in parts:
-            plan = self.rows.plan([block_lists[i] for i in group], uploaded[at : at + n], sizes)
-            out.append((plan, list(zip(group, self.rows.regions(self._stage, plan), strict=True))))
+        for batch, n, sizes in parts:
+            out.append((self.rows.plan([block_lists[i] for i in batch], uploaded[at : at + n], sizes, self.per_copy),
+                        batch))
             at += n
         return out
 
@@ -222,7 +240,12 @@ class WorkerSide:
         with self.copies.after_compute():
             if self._staged is None:  # the step's first layer: plan its saves once
                 self._plan_saves(meta)
-            self._gather(li)
+            self._hooked[li] = True
+            # a group of layers is copied once every layer of it has been computed (its hook
+            # ran: hooks need not come in the layers' order)
+            k = li // self.per_copy
+            if all(self._hooked[i] for i in self._groups[k]):
+                self._copy_group(k)
 
     def record_uses(self, uses: list[tuple[bytes, ...]]) -> None:
         """Stored chunks requests used from vLLM's own prefix cache (per rank keys): uses for
@@ -266,24 +289,33 @@ class WorkerSide:
         copying = [st for st in staged if st.buf is not None]
         self._staged_index = self._save_index.take()
         self._save_batches = [
-            (plan, [(region, copying[i].buf.unbind(0), blocks)  # type: ignore[union-attr]
-                    for (i, region), blocks in zip(chunks, plan.blocks, strict=True)])
-            for plan, chunks in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying])]
+            (plan, [(copying[i].buf, blocks) for i, blocks in zip(batch, plan.blocks, strict=True)])  # type: ignore[misc]
+            for plan, batch in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying])]
         ids = meta.namespace_ids
         self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
-        self._gathered = [False] * len(self.views)
+        self._hooked = [False] * len(self.views)
+        self._copied = [False] * len(self._groups)
         self._staged = staged
 
-    def _gather(self, li: int) -> None:
-        """Copy layer ``li`` of this step's saves into their buffers (inside ``after_compute``)."""
-        if self._gathered[li] or self._staged is None:
+    def _copy_group(self, k: int) -> None:
+        """Copy group ``k`` of layers of this step's saves into their buffers (inside
+        ``after_compute``): per batch, its layers gathered into their slots of the stage, then
+        one copy per chunk."""
+        if self._copied[k] or self._staged is None:
             return
-        tables, non_blocking = self.tables[li], self.copies.non_blocking
+        group = self._groups[k]
         for plan, chunks in self._save_batches:
-            BlockRows.gather(tables, plan, self._stage)
-            for region, layers, blocks in chunks:
-                self.rows.to_chunk(region, blocks, layers[li], non_blocking)
-        self._gathered[li] = True
+            for slot, li in enumerate(group):
+                BlockRows.gather(self.tables[li], plan, self._stage, slot)
+            self._to_buffers(group, plan, chunks, self._stage)
+        self._copied[k] = True
+
+    def _to_buffers(self, group: range, plan: RowPlan, chunks: list[tuple[torch.Tensor, int]],
+                    stage: torch.Tensor) -> None:
+        """A batch's gathered ``group`` of layers from the stage into each chunk's buffer."""
+        regions = self.rows.regions(stage, plan, 0, len(group))
+        for region, (buf, blocks) in zip(regions, chunks, strict=True):
+            self.rows.to_chunk(region, blocks, buf.narrow(0, group.start, len(group)), self.copies.non_blocking)
 
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
         """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
@@ -304,39 +336,39 @@ class WorkerSide:
             with self.copies.after_compute():
                 if self._staged is None:  # no layer hook ran: a CUDA graph replayed the forward
                     self._plan_saves(meta)  # type: ignore[arg-type]
-                late = [li for li, done in enumerate(self._gathered) if not done]
+                late = [k for k, done in enumerate(self._copied) if not done]
                 blocks_read = self._gather_late(late)
         except Exception as exc:
             log.warning("kvtier: copying KV to save failed: %s; the step's chunks stay uncached", exc)
             self._end_saves(store=False)
             return
         if late:
-            self._bump(save_layers_after_forward=len(late))
+            self._bump(save_layers_after_forward=sum(len(self._groups[k]) for k in late))
         self._end_saves(store=True, blocks_read=blocks_read)
 
     def _gather_late(self, late: list[int]) -> torch.cuda.Event | None:
-        """Copy the layers no hook copied (inside ``after_compute``). Where all of them fit
-        the stage (one chunk's layers always do), every gather goes first, each into its own
-        part of the stage, then the host copies: the next step's compute need wait only for
-        the gathers (returns the event after them), not for the copies to host memory, which
-        under a replayed CUDA graph all come after the forward pass."""
-        rows = sum(plan.total for plan, _ in self._save_batches) * len(late)
+        """Copy the groups of layers no hook copied (inside ``after_compute``). Where all of
+        them fit the stage (one chunk's always do), every gather goes first, each group into
+        its own part of the stage, then the host copies: the next step's compute need wait
+        only for the gathers (returns the event after them), not for the copies to host
+        memory, which under a replayed CUDA graph all come after the forward pass."""
+        rows = sum(plan.stage_rows for plan, _ in self._save_batches) * len(late)
         if not late or rows > self._stage.shape[0]:
-            for li in late:
-                self._gather(li)
+            for k in late:
+                self._copy_group(k)
             return None
         parts, at = [], 0
-        for li in late:
+        for k in late:
             for plan, chunks in self._save_batches:
-                region = self._stage.narrow(0, at, plan.total)
-                BlockRows.gather(self.tables[li], plan, region)
-                parts.append((li, region, plan, chunks))
-                at += plan.total
+                region = self._stage.narrow(0, at, plan.stage_rows)
+                for slot, li in enumerate(self._groups[k]):
+                    BlockRows.gather(self.tables[li], plan, region, slot)
+                parts.append((k, region, plan, chunks))
+                at += plan.stage_rows
         event = self.copies.record()
-        for li, region, plan, chunks in parts:
-            for piece, (_, layers, blocks) in zip(self.rows.regions(region, plan), chunks, strict=True):
-                self.rows.to_chunk(piece, blocks, layers[li], self.copies.non_blocking)
-            self._gathered[li] = True
+        for k, region, plan, chunks in parts:
+            self._to_buffers(self._groups[k], plan, chunks, region)
+            self._copied[k] = True
         return event
 
     def _end_saves(self, *, store: bool, blocks_read: torch.cuda.Event | None = None) -> None:
@@ -535,23 +567,28 @@ class WorkerSide:
             index = self._load_index.take()
             with self.copies.after_compute():
                 # per batch: its plan, and each chunk's layers (the tokens its blocks take,
-                # past the skipped ones), blocks and stage piece (made once, not per layer)
+                # past the skipped ones) and blocks
                 batches = []
-                for plan, chunks in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
+                for plan, batch in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
                     pieces = []
-                    for (i, region), blocks in zip(chunks, plan.blocks, strict=True):
+                    for i, blocks in zip(batch, plan.blocks, strict=True):
                         chunk, data = loaded[i][1]
-                        tokens = data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size)
-                        pieces.append((tokens.unbind(0), blocks, region))
+                        pieces.append((data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size),
+                                       blocks))
                     batches.append((plan, pieces))
-                non_blocking = self.copies.non_blocking
-                for li in range(len(self.views)):
-                    for plan, pieces in batches:
-                        for layers, blocks, region in pieces:
-                            self.rows.from_chunk(layers[li], blocks, region, non_blocking)
-                        BlockRows.scatter(self.tables[li], plan, self._stage)
-                    if layer_events:
-                        self._layer_ready[li] = self.copies.record()
+                non_blocking, stage = self.copies.non_blocking, self._stage
+                # a group of layers at a time: one copy per chunk into the stage, then one
+                # scatter per layer; a layer's event follows its last batch's scatter
+                for group in self._sync_groups if layer_events else self._groups:
+                    for b, (plan, pieces) in enumerate(batches):
+                        regions = self.rows.regions(stage, plan, 0, len(group))
+                        for (tokens, blocks), region in zip(pieces, regions, strict=True):
+                            self.rows.from_chunk(tokens.narrow(0, group.start, len(group)), blocks, region,
+                                                 non_blocking)
+                        for slot, li in enumerate(group):
+                            BlockRows.scatter(self.tables[li], plan, stage, slot)
+                            if layer_events and b == len(batches) - 1:
+                                self._layer_ready[li] = self.copies.record()
             for res, (chunk, _) in loaded:
                 res.tokens += len(chunk.block_ids) * self.block_size
         except Exception as exc:

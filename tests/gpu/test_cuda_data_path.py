@@ -11,7 +11,13 @@ import torch
 
 from kvtier import CacheConfig
 from kvtier.store import ChunkStore
-from kvtier.testing.worker_rig import Geometry, long_load_from_disk, make_worker, save_and_reload
+from kvtier.testing.worker_rig import (
+    Geometry,
+    grouped_round_trip,
+    long_load_from_disk,
+    make_worker,
+    save_and_reload,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -162,4 +168,34 @@ def test_cuda_a_long_prefill_steps_saves_and_load_never_wait(tmp_path: Path, con
         moved = [b for ids in dest for b in ids]
         assert all(torch.equal(c[torch.tensor(flat, device="cuda")], c[torch.tensor(moved, device="cuda")])
                    for c in caches.values())
+        worker.close()
+
+
+@pytest.mark.parametrize("content", ["kv_last", "cpu"])
+def test_cuda_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path, content: str) -> None:
+    """The CPU test of the same name on CUDA: layers two per copy, a stage of three chunks'
+    groups (two batches), a partial chunk, hooks in reverse order, steps replayed as CUDA
+    graphs; every chunk loads back bit-exact (sync, async, skipping a block)."""
+    g = Geometry(layers=5, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=512,
+                 dtype=torch.bfloat16)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=16 * g.chunk_bytes,
+                      write_queue_bytes=16 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        got = grouped_round_trip(store, g, content, "cuda")
+    assert (got["per_copy"], got["groups"]) == (2, [2, 2, 1])
+    assert got["late_layers"] == 2 * g.layers
+    assert got["failed"] == [] and got["mismatches"] == []
+
+
+def test_cuda_worker_groups_a_llama_ranks_layers_eight_per_copy(tmp_path: Path) -> None:
+    """On a GPU the default groups a chunk's layers so each copy is about 8 MiB: 8 layers of
+    a 256-token chunk of a Llama-3-8B rank (1 MiB per layer), in a 72 MiB stage."""
+    g = Geometry(layers=32, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=64,
+                 dtype=torch.bfloat16)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=2 * g.chunk_bytes,
+                      write_queue_bytes=2 * g.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, _ = make_worker(store, g, "kv_last", "cuda")
+        assert worker.per_copy == 8
+        assert worker._stage.numel() * worker._stage.element_size() == 72 << 20
         worker.close()

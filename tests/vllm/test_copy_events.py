@@ -66,11 +66,11 @@ class GatedCopies(CopyStream):
             e.complete()
 
 
-def _rig(tmp_path: Path):  # noqa: ANN202
+def _rig(tmp_path: Path, **worker_args: object):  # noqa: ANN202
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
                       write_queue_bytes=4 * G.chunk_bytes, io_threads=2)
     store = ChunkStore(cfg)
-    worker, caches = make_worker(store, G, "kv_last", "cpu")
+    worker, caches = make_worker(store, G, "kv_last", "cpu", **worker_args)
     worker.copies = copies = GatedCopies()
     gen = torch.Generator().manual_seed(1)
     for c in caches.values():
@@ -121,17 +121,19 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
         store.close()
 
 
+@pytest.mark.parametrize("whole", [False, True])
 def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole: bool) -> None:
     """No layer hook ran (a full CUDA graph replayed the forward pass), so wait_for_save
     copies every layer after it. All the gathers go first, then the copies to host memory:
     the compute stream waits for the event between the two (the blocks are read, the next
     step may reuse them), the writer thread for the one after the copies; the chunks are
-    saved whole."""
+    saved whole (``whole``: each chunk's layers all go to host memory in one copy, as on a GPU
+    for small chunks; else one copy per layer)."""
     from kvtier.vllm.block_rows import BlockRows
     from kvtier.vllm.metadata import SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
+    store, worker, caches, copies = _rig(tmp_path, copy_bytes=G.chunk_bytes if whole else None)
     order: list[str] = []
     gather, to_chunk, record = BlockRows.gather, BlockRows.to_chunk, copies.record
 
@@ -149,7 +151,8 @@ def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
         ids = [list(range(PER_CHUNK)), list(range(PER_CHUNK, 2 * PER_CHUNK))]
         save_step(worker, caches, [SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)],
                   layer_hooks=False)
-        assert order == ["gather"] * G.layers + ["event"] + ["host copy"] * (2 * G.layers) + ["event"]
+        assert worker.per_copy == (G.layers if whole else 1)
+        assert order == ["gather"] * G.layers + ["event"] + ["host copy"] * (2 if whole else 2 * G.layers) + ["event"]
         blocks_read, copied = copies.events
         assert copies.compute_waits == [blocks_read]
         blocks_read.complete()

@@ -68,31 +68,39 @@ def test_a_partial_chunk_goes_to_the_device_plane_by_plane(monkeypatch: pytest.M
     assert torch.equal(out, part)
 
 
+@pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("content", CONTENT_LAYOUTS)
-def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str) -> None:
-    """Several chunks of different lengths, in one batch: one indexing op fills the stage in
-    canonical order, each chunk's piece is its canonical layer, and the inverse puts every
-    block back; a stage too small for all of them splits the batch."""
-    kv = torch.randn(B, H, N, 2 * D)
-    view = blocks_view(kv, content, D)
-    rows = BlockRows(view)
+def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str, layers: int) -> None:
+    """Several chunks of different lengths, in one batch, ``layers`` layers at a time: each
+    layer's gather fills its slot of every chunk, each chunk's region is its canonical
+    layers one after the other (what one copy moves to its host buffer), and the inverse
+    puts every block of every layer back; a stage too small for all of them splits the
+    batch."""
+    kvs = [torch.randn(B, H, N, 2 * D) for _ in range(layers)]
+    views = [blocks_view(kv, content, D) for kv in kvs]
+    rows = BlockRows(views[0])
+    slots = layers if not rows.permuted else 1
     chunks = [[4, 1], [3], [0, 5, 2]]
-    lists, sizes = rows.id_lists(chunks)
-    plan = rows.plan(chunks, [torch.tensor(ids) for ids in lists], sizes)
-    stage = torch.empty(plan.total, *rows.row_shape)
-    BlockRows.gather(rows.tables(view), plan, stage)
-    restored = torch.zeros_like(kv)
-    for ids, region in zip(chunks, rows.regions(stage, plan), strict=True):
-        want = torch.empty(2, len(ids) * N, H, D)
-        gather_blocks(view, ids, want)
+    lists, sizes = rows.id_lists(chunks, slots)
+    plan = rows.plan(chunks, [torch.tensor(ids) for ids in lists], sizes, slots)
+    assert (plan.slots is None) == (not rows.scratch(slots))
+    stage = torch.full((plan.stage_rows, *rows.row_shape), float("nan"))
+    for slot in range(slots):
+        BlockRows.gather(rows.tables(views[slot]), plan, stage, slot)
+    for ids, region in zip(chunks, rows.regions(stage, plan, 0, slots), strict=True):
+        want = torch.empty(slots, 2, len(ids) * N, H, D)
+        for slot in range(slots):
+            gather_blocks(views[slot], ids, want[slot])
         got = torch.empty_like(want)
         rows.to_chunk(region, len(ids), got, non_blocking=False)
         assert torch.equal(got, want)
-    BlockRows.scatter(rows.tables(blocks_view(restored, content, D)), plan, stage)
-    assert torch.equal(restored, kv)
-    per_chunk = rows.rows_per_chunk(2)
-    assert rows.batches(chunks, 2 * per_chunk) == [[0, 1], [2]]
-    assert rows.batches(chunks, 1) == [[0], [1], [2]]  # (the stage always holds a whole chunk)
+    restored = [torch.zeros_like(kv) for kv in kvs]
+    for slot in range(slots):
+        BlockRows.scatter(rows.tables(blocks_view(restored[slot], content, D)), plan, stage, slot)
+        assert torch.equal(restored[slot], kvs[slot])
+    per_chunk = rows.rows_per_chunk(2) * (slots + rows.scratch(slots))
+    assert rows.batches(chunks, 2 * per_chunk, slots) == [[0, 1], [2]]
+    assert rows.batches(chunks, 1, slots) == [[0], [1], [2]]  # (the stage always holds a whole chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

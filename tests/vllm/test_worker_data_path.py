@@ -58,6 +58,53 @@ def test_steady_state_saves_and_loads_allocate_nothing_and_round_trip(tmp_path: 
         worker.close()
 
 
+@pytest.mark.parametrize("content", ["kv_last", "cpu"])
+def test_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path, content: str) -> None:
+    """Layers moved two at a time (five layers: groups of 2, 2 and 1), through a stage that
+    holds three chunks' groups (five chunks: two batches), a partial chunk among them, hooks
+    called in reverse order, a step replayed as a CUDA graph (no hook) and a one-chunk one
+    (whose gathers all go first): every chunk loads back bit-exact, synchronously (first
+    group one layer), asynchronously, and skipping its first block (tests/gpu runs the same
+    on CUDA)."""
+    from kvtier.testing.worker_rig import grouped_round_trip
+
+    g = Geometry(layers=5, num_blocks=256)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=16 * g.chunk_bytes,
+                      write_queue_bytes=16 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        got = grouped_round_trip(store, g, content, "cpu")
+    assert (got["per_copy"], got["groups"], got["sync_groups"]) == (2, [2, 2, 1], [1, 2, 2])
+    assert got["stage_rows"] == 3 * 3 * got["rows_per_chunk"]  # 3 groups of 2 slots + scratch
+    assert got["late_layers"] == 2 * g.layers
+    assert got["failed"] == [] and got["mismatches"] == []
+    assert got["loaded"] == 2 * 11 + 1
+
+
+def test_the_device_stage_is_sized_by_device_stage_bytes_and_never_below_a_chunk(tmp_path: Path) -> None:
+    """``device_stage_bytes`` (connector setting) sizes the worker's stage; unset, it holds
+    BATCH_BYTES of a batch per layer slot and scratch; too small, what one chunk's every
+    layer needs."""
+    from kvtier.vllm.block_rows import BATCH_BYTES
+    from kvtier.vllm.settings import ConnectorSettings
+
+    def stage_bytes(worker) -> int:  # noqa: ANN001
+        return worker._stage.numel() * worker._stage.element_size()
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes)
+    given = ConnectorSettings.from_extra_config({"path": str(cfg.path), "device_stage_bytes": "3M"})
+    assert given.device_stage_bytes == 3 << 20
+    assert ConnectorSettings.from_extra_config({"path": str(cfg.path)}).device_stage_bytes is None
+    with ChunkStore(cfg) as store:
+        for stage, copy_bytes, want in ((given.device_stage_bytes, None, 3 << 20),
+                                        (None, None, BATCH_BYTES),  # one layer per copy: no scratch
+                                        (None, G.chunk_bytes, BATCH_BYTES * (G.layers + 1)),
+                                        (1, None, G.chunk_bytes)):  # (at least one chunk's every layer)
+            worker, _ = make_worker(store, G, "kv_last", "cpu", stage_bytes=stage, copy_bytes=copy_bytes)
+            assert stage_bytes(worker) == want, (stage, copy_bytes)
+            worker.close()
+
+
 @pytest.mark.parametrize(("content", "sync"), [("kv_last", False), ("cpu", False), ("kv_last", True)])
 def test_a_long_load_from_disk_stays_in_the_pool(tmp_path: Path, content: str, sync: bool) -> None:
     """Three times as many chunks as the buffer pool holds, loaded in one load (asynchronous,
@@ -280,13 +327,19 @@ def test_an_offline_producer_waits_for_buffers_across_back_to_back_steps(tmp_pat
         assert saved == [per_step] * 3 and store.counters.snapshot()["dropped_saves"] == 0
 
 
-def test_a_step_enqueues_one_index_op_per_layer_and_one_copy_per_chunk_and_layer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("per_copy", [1, 2])
+def test_a_step_enqueues_one_gather_per_layer_and_one_copy_per_chunk_and_group_of_layers(
+        tmp_path: Path, per_copy: int) -> None:
     """What a GPU pays per operation: each one waits on the side stream behind the forward
     pass, and once about a thousand are pending CUDA blocks the model's thread (measured on
     an H100 with the chunk-by-chunk path: 3 per chunk and layer, a 16-chunk save step held
-    the host 140 ms). A batch of chunks costs one indexing op per layer plus one copy per
-    chunk and layer, for saves and loads alike (counted with torch's profiler, here on the
-    CPU path, which is the code a GPU runs)."""
+    the host 140 ms); and each copy to or from host memory has a fixed cost (1 MiB copies ran
+    at 0.70x of the link, 4 MiB ones at 0.80x). A batch of chunks costs one gather (or
+    scatter) per layer and one copy per chunk and group of layers, for saves and loads alike;
+    with layers grouped, a second indexing op per layer moves it between its slot of the
+    stage and the scratch, and a synchronous load's first group is its first layer alone
+    (counted with torch's profiler, here on the CPU path, which is the code a GPU runs: one
+    layer per copy is the CPU's default, two the GPU's for chunks this size)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvtier.testing.worker_rig import load_sync
@@ -304,18 +357,24 @@ def test_a_step_enqueues_one_index_op_per_layer_and_one_copy_per_chunk_and_layer
         return {op: counts.get(f"aten::{op}", 0) for op in ("index_select", "index_copy_", "index", "copy_")}
 
     with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        worker, caches = make_worker(store, g, "kv_last", "cpu",
+                                     copy_bytes=None if per_copy == 1 else per_copy * g.chunk_bytes // g.layers)
         keys = [(os.urandom(32),) for _ in range(chunks)]
         src = [list(range(j * per, (j + 1) * per)) for j in range(chunks)]
         saved = ops(lambda: save_step(worker, caches, [SaveSpec("r", k, 0, g.chunk_tokens, ids)
                                                        for k, ids in zip(keys, src, strict=True)]))
-        assert saved == {"index_select": g.layers, "index_copy_": 0, "index": 0, "copy_": g.layers * chunks}
+        assert worker.per_copy == per_copy
+        grouped = per_copy > 1
+        assert saved == {"index_select": g.layers, "index_copy_": g.layers * grouped, "index": 0,
+                         "copy_": g.layers // per_copy * chunks}
         assert store.flush(30)
         dest = [[b + chunks * per for b in ids] for ids in src]
         loaded = ops(lambda: load_sync(worker, [LoadSpec("l", [ChunkLoad(k, 0, g.chunk_tokens, 0, ids)
                                                                 for k, ids in zip(keys, dest, strict=True)],
                                                          sync=True)]))
-        assert loaded == {"index_select": 0, "index_copy_": g.layers, "index": 0, "copy_": g.layers * chunks}
+        # groups: one layer each, or [0], [1, 2], [3]
+        assert loaded == {"index_select": g.layers * grouped, "index_copy_": g.layers, "index": 0,
+                          "copy_": (3 if grouped else g.layers) * chunks}
         assert not worker.take_load_errors()
         for c in caches.values():
             assert torch.equal(c[[b for ids in dest for b in ids]], c[[b for ids in src for b in ids]])
