@@ -39,6 +39,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvtier.vllm.layout import LayerView, PermutedBlocks, UnsupportedLayout
@@ -159,13 +160,16 @@ class BlockRows:
             used += need
         return out
 
-    def id_lists(self, block_lists: Sequence[Sequence[int]], layers: int = 1) -> tuple[list[list[int]], list[int]]:
+    def id_lists(self, block_lists: Sequence[Sequence[int]],
+                 layers: int = 1) -> tuple[list[Sequence[int]], list[int]]:
         """The lists to upload for one batch with ``layers`` slots: each table's row ids,
         then (through the scratch) each slot's stage rows; and the rows per chunk."""
         sizes = [self.rows_per_chunk(len(ids)) for ids in block_lists]
-        lists: list[list[int]] = []
-        canon: list[int] = []  # per scratch row: chunk-major position in a one-slot stage
-        starts: list[int] = []  # per scratch row: where its chunk's first slot starts, and its size
+        lists: list[Sequence[int]] = []
+        # per scratch row: its row within its chunk's layer, where its chunk's region starts,
+        # and its chunk's rows per layer
+        canon: list[int] = []
+        starts: list[int] = []
         sizes_of: list[int] = []
         for block_step, plane_step, planes, first in self._parts:
             rows, base = [], 0
@@ -178,9 +182,10 @@ class BlockRows:
                 sizes_of.extend([size] * (planes * nb))
                 base += size
             lists.append(rows)
-        if self.scratch(layers):
-            for slot in range(layers):
-                lists.append([s + slot * n + c for s, n, c in zip(starts, sizes_of, canon, strict=True)])
+        if self.scratch(layers):  # (numpy: a step's slot lists are thousands of ids)
+            first_slot = np.add(starts, canon, dtype=np.int64)
+            step = np.asarray(sizes_of, dtype=np.int64)
+            lists.extend(first_slot + slot * step for slot in range(layers))
         return lists, sizes
 
     def plan(self, block_lists: Sequence[Sequence[int]], uploaded: list[torch.Tensor], sizes: list[int],

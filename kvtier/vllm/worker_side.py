@@ -30,7 +30,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from queue import Empty, Queue
@@ -214,7 +214,7 @@ class WorkerSide:
         inside ``after_compute``): each batch's plan, and its chunks' positions in
         ``block_lists``."""
         batches = self.rows.batches(block_lists, self._stage.shape[0], self.per_copy)
-        lists: list[list[int]] = []
+        lists: list[Sequence[int]] = []
         parts = []
         for batch in batches:
             ids, sizes = self.rows.id_lists([block_lists[i] for i in batch], self.per_copy)
