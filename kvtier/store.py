@@ -188,6 +188,7 @@ class ChunkStore:
         self._queued_bytes = 0
         self._touched: dict[bytes, int] = {}
         self._cv = threading.Condition()
+        self._deferred = threading.local()  # put_batch() on this thread: depth, writer not yet woken
         self._closed = False
         self._usage_at_close: dict[str, int] = {}  # the disk part of stats(), read at close
         self._exit_flush_gave_up = False  # (see _flush_stores_at_exit)
@@ -231,10 +232,44 @@ class ChunkStore:
                 self._register_writer()
 
     # -- saves ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def put_batch(self) -> Iterator[None]:
+        """The :meth:`put` calls of this thread inside the block wake the writer once, at
+        its end, rather than each (a step's saves: the model's thread hands over a dozen
+        chunks at once). Woken per chunk, the writer thread takes the GIL and the queue's lock
+        between the puts: a 16-chunk ``wait_for_save`` took 2.0-2.7 ms on a 2-core VM against
+        0.3-0.45 ms, and a writer that got the GIL between two puts took the chunks in smaller
+        batches. A put that has to wait for room (``wait_until``) wakes it first."""
+        local = self._deferred
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            local.depth -= 1
+            if not local.depth:
+                self._wake_deferred()
+
+    def _notify_writer(self) -> None:
+        """(Under ``_cv``.) New work for the writer: wake it, or note it for the end of
+        this thread's :meth:`put_batch`."""
+        if getattr(self._deferred, "depth", 0):
+            self._deferred.woken = False
+        else:
+            self._cv.notify_all()
+
+    def _wake_deferred(self) -> None:
+        """Wake the writer for the puts this thread's :meth:`put_batch` held back, if any
+        (before anything that waits for the writer)."""
+        if getattr(self._deferred, "woken", True) is False:
+            self._deferred.woken = True
+            with self._cv:
+                self._cv.notify_all()
+
     def _wait_for_room(self, nbytes: int, deadline: float) -> None:
         """Wait until the write queue can take ``nbytes`` more (or could never: then
         :meth:`put` drops the chunk), or the monotonic ``deadline``."""
         limit = int(self.config.write_queue_bytes)
+        self._wake_deferred()
         if nbytes <= limit:
             wait_while(self._cv, lambda: not self._closed and self._queued_bytes > 0
                        and self._queued_bytes + nbytes > limit, deadline)
@@ -252,6 +287,8 @@ class ChunkStore:
         lead = codec.record_lead(shape, dtype)
         while (t := self.pool.acquire(shape, dtype, reclaim=self.host.evict_oldest, lead=lead)) is None:
             left = (wait_until or 0.0) - time.monotonic()
+            if left > 0:
+                self._wake_deferred()
             with self._cv:  # a committed batch gives its buffers back, then notifies
                 if left <= 0 or self._closed or not (self._queue or self._inflight):
                     break  # (nothing being written would give one back: the caller holds them)
@@ -314,7 +351,7 @@ class ChunkStore:
             self._pending[key] = item
             self._queue.append(item)
             self._queued_bytes += item.nbytes
-            self._cv.notify_all()
+            self._notify_writer()
         self.counters.add(saves_queued=1, evicted_host=self.host.put(key, tensor))
         return True
 

@@ -389,21 +389,22 @@ class WorkerSide:
         if buffers:
             self._in_flight.append((event, buffers))
         ready = event.synchronize if event is not None else None  # the writer thread waits on it
-        for s in staged:
-            if s.buf is None:
-                self._bump(**{s.skipped: 1})
-                continue
-            if not store:
-                self._bump(save_dropped_chunks=1)
-                continue
-            parents = s.spec.parent_keys
-            ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self._save_namespace,
-                                token_start=s.spec.token_start, num_tokens=s.spec.num_tokens,
-                                group=s.spec.keys[0], parent=parents[self.rank] if parents else None,
-                                head=s.spec.head_keys[self.rank] if s.spec.head_keys else None, ready=ready,
-                                wait_until=self._save_deadline, replace=s.replace)
-            self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
-                       save_dropped_chunks=0 if ok else 1)
+        with self.store.put_batch():  # (the writer is woken once, for the whole step)
+            for s in staged:
+                if s.buf is None:
+                    self._bump(**{s.skipped: 1})
+                    continue
+                if not store:
+                    self._bump(save_dropped_chunks=1)
+                    continue
+                parents = s.spec.parent_keys
+                ok = self.store.put(s.spec.keys[self.rank], s.buf, namespace_id=self._save_namespace,
+                                    token_start=s.spec.token_start, num_tokens=s.spec.num_tokens,
+                                    group=s.spec.keys[0], parent=parents[self.rank] if parents else None,
+                                    head=s.spec.head_keys[self.rank] if s.spec.head_keys else None, ready=ready,
+                                    wait_until=self._save_deadline, replace=s.replace)
+                self._bump(save_chunks=1 if ok else 0, save_tokens=s.spec.num_tokens if ok else 0,
+                           save_dropped_chunks=0 if ok else 1)
 
     def _release_landed(self) -> None:
         """Let go of the host buffers whose copies are done (never waits)."""

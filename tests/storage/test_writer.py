@@ -286,3 +286,54 @@ def test_an_offline_save_larger_than_the_queue_waits_for_room(tmp_path: Path) ->
         assert cache.save(toks, make_kv(toks), wait=30) == len(toks)
         assert cache.flush(30)
         assert cache.stats()["dropped_saves"] == 0 and cache.lookup(toks) == len(toks)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_puts_in_a_put_batch_wake_the_writer_once_and_go_as_one_batch(tmp_path: Path, backend: str) -> None:
+    """A step's saves handed over in ``put_batch()`` wake the writer once, at the end: it
+    takes them all as one batch. Put one by one with the committer idle, the first chunk
+    goes alone (woken at once, the writer takes what is queued then)."""
+    store = _store(tmp_path, backend, batch_chunks=16)
+    batches: list[list[bytes]] = []
+    put_many = store.backend.put_many
+
+    def recording_put_many(items: list) -> object:
+        batches.append([it.key for it in items])
+        return put_many(items)
+
+    store.backend.put_many = recording_put_many  # type: ignore[method-assign]
+    woken = threading.Event()
+
+    def ready() -> None:
+        woken.set()
+
+    with store.put_batch():
+        for i in range(8):
+            assert store.put(_key(i), _chunk(i), namespace_id=NS, token_start=0, num_tokens=64, ready=ready)
+        assert not woken.wait(0.3)  # not woken: nothing is taken before the block ends
+    assert store.flush(10)
+    assert batches == [[_key(i) for i in range(8)]]
+    for i in range(8):
+        got = store.get(_key(i))
+        assert got is not None and torch.equal(got, _chunk(i))
+    store.close()
+
+
+def test_a_put_that_waits_for_room_in_a_put_batch_wakes_the_writer_first(tmp_path: Path) -> None:
+    """Inside ``put_batch()`` a put with ``wait_until`` that finds the queue full wakes the
+    writer before it waits (else it would wait for the writer's one-second poll, or its
+    whole deadline), and every chunk is stored."""
+    store = ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, commit_bytes=NBYTES,
+                                   write_queue_bytes=2 * NBYTES))
+    waits: list[float] = []
+    with store.put_batch():
+        for i in range(6):
+            t = time.monotonic()
+            assert store.put(_key(i), _chunk(i), namespace_id=NS, token_start=0, num_tokens=64,
+                             wait_until=time.monotonic() + 30)
+            waits.append(time.monotonic() - t)
+    assert store.flush(10)
+    assert store.count_present_prefix([_key(i) for i in range(6)]) == 6
+    # the queue holds two: four puts waited, each for a commit, not for a poll of the writer
+    assert max(waits) < 0.9, waits
+    store.close()

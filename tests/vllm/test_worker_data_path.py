@@ -80,6 +80,33 @@ def test_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path
     assert got["loaded"] == 2 * 11 + 1
 
 
+def test_a_steps_saves_reach_the_writer_together(tmp_path: Path) -> None:
+    """wait_for_save hands the step's chunks to the store in one ``put_batch``: the writer,
+    woken once, takes them as one batch (woken per chunk it took the first alone, and took
+    the GIL and the queue's lock from the model's thread between the puts)."""
+    from kvtier.vllm.metadata import SaveSpec
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes, commit_bytes=4 * G.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, G, "kv_last", "cpu")
+        batches: list[int] = []
+        put_many, put = store.backend.put_many, store.put
+        store.backend.put_many = lambda items: (batches.append(len(items)), put_many(items))[1]  # type: ignore[method-assign]
+
+        def slow_put(*args: object, **kwargs: object) -> bool:  # time for a woken writer to take the chunk
+            ok = put(*args, **kwargs)  # type: ignore[arg-type]
+            time.sleep(0.1)
+            return ok
+
+        store.put = slow_put  # type: ignore[method-assign]
+        save_step(worker, caches, [SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens,
+                                            list(range(j * PER_CHUNK, (j + 1) * PER_CHUNK))) for j in range(4)])
+        assert store.flush(30)
+        assert batches == [4]
+        worker.close()
+
+
 def test_the_device_stage_is_sized_by_device_stage_bytes_and_never_below_a_chunk(tmp_path: Path) -> None:
     """``device_stage_bytes`` (connector setting) sizes the worker's stage; unset, it holds
     BATCH_BYTES of a batch per layer slot and scratch; too small, what one chunk's every
