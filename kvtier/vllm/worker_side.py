@@ -72,6 +72,20 @@ class _Staged:
 
 
 @dataclass
+class _Batch:
+    """A batch of chunks to copy: its plan, each chunk's host tensor split into the groups
+    of layers, and (made once per batch and group size) each chunk's region of the stage."""
+    plan: RowPlan
+    groups: list[tuple[torch.Tensor, ...]]
+    _regions: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def regions(self, rows: BlockRows, stage: torch.Tensor, count: int) -> list[torch.Tensor]:
+        if count not in self._regions:
+            self._regions[count] = rows.regions(stage, self.plan, 0, count)
+        return self._regions[count]
+
+
+@dataclass
 class _LoadResult:
     failed_blocks: list[int] = field(default_factory=list)
     loaded: list[tuple[ChunkLoad, torch.Tensor]] = field(default_factory=list)
@@ -170,8 +184,8 @@ class WorkerSide:
         self._save_index = IndexRing(self.copies.device)
         self._load_index = IndexRing(self.copies.device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
-        # this step's chunks to copy, in batches: each chunk's buffer and blocks
-        self._save_batches: list[tuple[RowPlan, list[tuple[torch.Tensor, int]]]] = []
+        # this step's chunks to copy, in batches (views made once per step, not per layer)
+        self._save_batches: list[_Batch] = []
         self._staged_index: StepIndex | None = None
         self._hooked = [False] * layers  # which layers' hooks ran this step
         self._copied = [False] * len(self._groups)  # which groups of layers are copied
@@ -288,8 +302,9 @@ class WorkerSide:
         self.store.touch(used)
         copying = [st for st in staged if st.buf is not None]
         self._staged_index = self._save_index.take()
+        sizes = [len(g) for g in self._groups]
         self._save_batches = [
-            (plan, [(copying[i].buf, blocks) for i, blocks in zip(batch, plan.blocks, strict=True)])  # type: ignore[misc]
+            _Batch(plan, [copying[i].buf.split(sizes) for i in batch])  # type: ignore[union-attr]
             for plan, batch in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying])]
         ids = meta.namespace_ids
         self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
@@ -304,18 +319,17 @@ class WorkerSide:
         if self._copied[k] or self._staged is None:
             return
         group = self._groups[k]
-        for plan, chunks in self._save_batches:
+        for batch in self._save_batches:
             for slot, li in enumerate(group):
-                BlockRows.gather(self.tables[li], plan, self._stage, slot)
-            self._to_buffers(group, plan, chunks, self._stage)
+                BlockRows.gather(self.tables[li], batch.plan, self._stage, slot)
+            self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(group)))
         self._copied[k] = True
 
-    def _to_buffers(self, group: range, plan: RowPlan, chunks: list[tuple[torch.Tensor, int]],
-                    stage: torch.Tensor) -> None:
-        """A batch's gathered ``group`` of layers from the stage into each chunk's buffer."""
-        regions = self.rows.regions(stage, plan, 0, len(group))
-        for region, (buf, blocks) in zip(regions, chunks, strict=True):
-            self.rows.to_chunk(region, blocks, buf.narrow(0, group.start, len(group)), self.copies.non_blocking)
+    def _to_buffers(self, k: int, batch: _Batch, regions: list[torch.Tensor]) -> None:
+        """A batch's gathered group ``k`` of layers from the stage (``regions``, per chunk)
+        into each chunk's buffer."""
+        for region, groups, blocks in zip(regions, batch.groups, batch.plan.blocks, strict=True):
+            self.rows.to_chunk(region, blocks, groups[k], self.copies.non_blocking)
 
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
         """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
@@ -352,22 +366,22 @@ class WorkerSide:
         its own part of the stage, then the host copies: the next step's compute need wait
         only for the gathers (returns the event after them), not for the copies to host
         memory, which under a replayed CUDA graph all come after the forward pass."""
-        rows = sum(plan.stage_rows for plan, _ in self._save_batches) * len(late)
+        rows = sum(batch.plan.stage_rows for batch in self._save_batches) * len(late)
         if not late or rows > self._stage.shape[0]:
             for k in late:
                 self._copy_group(k)
             return None
         parts, at = [], 0
         for k in late:
-            for plan, chunks in self._save_batches:
-                region = self._stage.narrow(0, at, plan.stage_rows)
+            for batch in self._save_batches:
+                region = self._stage.narrow(0, at, batch.plan.stage_rows)
                 for slot, li in enumerate(self._groups[k]):
-                    BlockRows.gather(self.tables[li], plan, region, slot)
-                parts.append((k, region, plan, chunks))
-                at += plan.stage_rows
+                    BlockRows.gather(self.tables[li], batch.plan, region, slot)
+                parts.append((k, region, batch))
+                at += batch.plan.stage_rows
         event = self.copies.record()
-        for k, region, plan, chunks in parts:
-            self._to_buffers(self._groups[k], plan, chunks, region)
+        for k, region, batch in parts:
+            self._to_buffers(k, batch, self.rows.regions(region, batch.plan, 0, len(self._groups[k])))
             self._copied[k] = True
         return event
 
@@ -567,27 +581,28 @@ class WorkerSide:
         try:
             index = self._load_index.take()
             with self.copies.after_compute():
-                # per batch: its plan, and each chunk's layers (the tokens its blocks take,
-                # past the skipped ones) and blocks
+                groups = self._sync_groups if layer_events else self._groups
+                sizes = [len(g) for g in groups]
+                # per batch: its plan, and each chunk's groups of layers (the tokens its
+                # blocks take, past the skipped ones; views made once, not per group)
                 batches = []
                 for plan, batch in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
-                    pieces = []
+                    parts_of = []
                     for i, blocks in zip(batch, plan.blocks, strict=True):
                         chunk, data = loaded[i][1]
-                        pieces.append((data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size),
-                                       blocks))
-                    batches.append((plan, pieces))
+                        tokens = data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size)
+                        parts_of.append(tokens.split(sizes))
+                    batches.append(_Batch(plan, parts_of))
                 non_blocking, stage = self.copies.non_blocking, self._stage
                 # a group of layers at a time: one copy per chunk into the stage, then one
                 # scatter per layer; a layer's event follows its last batch's scatter
-                for group in self._sync_groups if layer_events else self._groups:
-                    for b, (plan, pieces) in enumerate(batches):
-                        regions = self.rows.regions(stage, plan, 0, len(group))
-                        for (tokens, blocks), region in zip(pieces, regions, strict=True):
-                            self.rows.from_chunk(tokens.narrow(0, group.start, len(group)), blocks, region,
-                                                 non_blocking)
+                for k, group in enumerate(groups):
+                    for b, batch in enumerate(batches):
+                        regions = batch.regions(self.rows, stage, len(group))
+                        for region, parts_k, blocks in zip(regions, batch.groups, batch.plan.blocks, strict=True):
+                            self.rows.from_chunk(parts_k[k], blocks, region, non_blocking)
                         for slot, li in enumerate(group):
-                            BlockRows.scatter(self.tables[li], plan, stage, slot)
+                            BlockRows.scatter(self.tables[li], batch.plan, stage, slot)
                             if layer_events and b == len(batches) - 1:
                                 self._layer_ready[li] = self.copies.record()
             for res, (chunk, _) in loaded:
