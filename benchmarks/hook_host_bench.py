@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Host time the model's thread spends in kvtier's save hooks, per step, side by side.
+
+    .venv/bin/python benchmarks/hook_host_bench.py                       # this checkout
+    .venv/bin/python benchmarks/hook_host_bench.py --against /tmp/old    # and another, alternating
+
+On a GPU the hooks only enqueue copies, so what they cost the forward pass is the host time
+spent in them: planning, indexing ops and copies enqueued, handing the chunks to the store.
+This measures that time on the CPU with a KV cache so small (one KV head, head_dim 8) that the
+copies themselves cost little (a gather from the strided ``kv_last`` layout still runs element
+by element on the CPU, about 80 µs per layer here, where a GPU only launches a kernel), for a
+Llama-3-8B-like step: 32 layers, ``--chunks``
+256-token chunks saved (every layer's ``save_kv_layer``, then ``wait_for_save``), the store's
+writer running as in a server. Median and 90th percentile over ``--steps`` steps, because
+what varies is contention with the store's threads (the GIL, the queue's lock). With
+``--against DIR`` (another kvtier checkout, e.g. ``git worktree add /tmp/old HEAD~3``) both
+run in turn, ``--rounds`` times each, in fresh processes. ``--copy-bytes`` sets the worker's
+grouping of layers per copy (default: its own; on the CPU one layer per copy; ``8388608`` as
+on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]:
+    import torch
+
+    from kvtier import CacheConfig
+    from kvtier.store import ChunkStore
+    from kvtier.testing.worker_rig import Geometry, make_worker
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+
+    torch.set_num_threads(1)
+    g = Geometry(layers=32, kv_heads=1, head_dim=8, block_size=16, chunk_tokens=256,
+                 num_blocks=chunks * 16, dtype=torch.bfloat16)
+    per = g.chunk_tokens // g.block_size
+    with tempfile.TemporaryDirectory(prefix="kvtier-hook-bench-") as d:
+        cfg = CacheConfig(path=Path(d) / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * chunks * g.chunk_bytes,
+                          write_queue_bytes=4 * chunks * g.chunk_bytes)
+        with ChunkStore(cfg) as store:
+            args = {} if copy_bytes is None else {"copy_bytes": copy_bytes}
+            worker, caches = make_worker(store, g, "kv_last", "cpu", **args)
+            hooks, finish = [], []
+            for step in range(steps + 5):  # (the first five warm up)
+                meta = KVTierMetadata(saves=[SaveSpec("r", (os.urandom(32),), 0, g.chunk_tokens,
+                                                      list(range(j * per, (j + 1) * per))) for j in range(chunks)])
+                t0 = time.perf_counter()
+                for name in caches:
+                    worker.save_layer(meta, name)
+                t1 = time.perf_counter()
+                worker.finish_saves(meta)
+                t2 = time.perf_counter()
+                if step >= 5:
+                    hooks.append(t1 - t0)
+                    finish.append(t2 - t1)
+                store.flush(60)
+                worker.get_finished(set())
+            worker.close()
+
+    def pct(xs: list[float], q: float) -> float:
+        return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
+
+    total = [a + b for a, b in zip(hooks, finish, strict=True)]
+    return {"save_layer_ms": statistics.median(hooks) * 1e3, "wait_for_save_ms": statistics.median(finish) * 1e3,
+            "wait_for_save_p90_ms": pct(finish, 0.9), "step_ms": statistics.median(total) * 1e3,
+            "step_p90_ms": pct(total, 0.9)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=16, help="chunks saved per step (default 16: a 4,096-token prefill)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--copy-bytes", type=int)
+    ap.add_argument("--against", help="another kvtier checkout to run side by side")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run: JSON out
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.chunks, args.steps, args.copy_bytes)))
+        return
+    trees = [("this checkout", HERE.parent)] + ([("--against", Path(args.against).resolve())] if args.against else [])
+    rows = []
+    for r in range(args.rounds):
+        for label, tree in trees:
+            cmd = [sys.executable, str(HERE / "hook_host_bench.py"), "--one", "--chunks", str(args.chunks),
+                   "--steps", str(args.steps)]
+            if args.copy_bytes is not None and label == "this checkout":
+                cmd += ["--copy-bytes", str(args.copy_bytes)]
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+            rows.append((r + 1, label, json.loads(out.stdout.strip().splitlines()[-1])))
+    print(f"{args.chunks} chunks per step, 32 layers, {args.steps} steps per run (host time, ms)\n")
+    print("| round | code | save_kv_layer, all layers (median) | wait_for_save (median / p90) | step (median / p90) |")
+    print("|---|---|---|---|---|")
+    for r, label, m in rows:
+        print(f"| {r} | {label} | {m['save_layer_ms']:.2f} | {m['wait_for_save_ms']:.2f} / {m['wait_for_save_p90_ms']:.2f} "
+              f"| {m['step_ms']:.2f} / {m['step_p90_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
