@@ -362,7 +362,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             recving, self._orphan_loads = self._orphan_loads, set()
             return None, recving or None
-        return self._worker.get_finished(finished_req_ids)
+        meta = self._meta()
+        return self._worker.get_finished(finished_req_ids, idle=meta is None or meta.idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

@@ -59,3 +59,6 @@ class KVTierMetadata(KVConnectorMetadata):
     # the store's LRU (an engine that saves says so through its skipped saves; one that only
     # loads, through this).
     uses: list[tuple[bytes, ...]] = field(default_factory=list)
+    # The step schedules no tokens: no forward pass, the engine only waits for loads (see
+    # WorkerSide.get_finished).
+    idle: bool = False

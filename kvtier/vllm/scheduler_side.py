@@ -277,7 +277,8 @@ class SchedulerSide:
             self._sync_loading[request.request_id] = 2
 
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, namespace_ids=self.namespace_ids, uses=self._uses)
+        meta = KVTierMetadata(loads=self._loads, namespace_ids=self.namespace_ids, uses=self._uses,
+                              idle=getattr(so, "total_num_scheduled_tokens", None) == 0)
         self._loads, self._uses = [], []
         for req_id in so.preempted_req_ids or ():
             # its blocks are freed, and may go to another request's load in this very step: a

@@ -688,12 +688,15 @@ class WorkerSide:
             self._reporting.extend((event, req_id, res) for req_id, res in finished)
 
     # -- completion ------------------------------------------------------------------
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._loads:
-            # vLLM's engine loop spins on this thread while requests wait for their KV; a
-            # short wait here hands the GIL to the reader threads (otherwise each of their
-            # GIL-releasing I/O calls waits a whole switch interval to get it back). It ends
-            # as soon as a reader hands a chunk over or finishes.
+    def get_finished(self, finished_req_ids: set[str], idle: bool = True) -> tuple[set[str] | None, set[str] | None]:
+        """``idle``: the step ran no forward pass (the engine only waits for loads)."""
+        if self._loads and idle:
+            # vLLM's engine loop spins on this thread while requests wait for their KV and
+            # nothing else runs; a short wait here hands the GIL to the reader threads
+            # (otherwise each of their GIL-releasing I/O calls waits a whole switch interval
+            # to get it back). It ends as soon as a reader hands a chunk over or finishes.
+            # Never in a step with a forward pass: the model's thread has other work then,
+            # and on a GPU every millisecond here may delay the next step.
             self._load_signal.clear()
             if not any(job.future.done() or not job.arrived.empty() for job in self._loads.values()):
                 self._load_signal.wait(LOAD_POLL_S)

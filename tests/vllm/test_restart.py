@@ -10,7 +10,7 @@ from enginehelpers import tokens
 
 from kvtier.backends.index import NO_KEY
 from kvtier.keys import as_token_array, chain_seed, chunk_keys
-from kvtier.testing.engine import Engine, kv_transfer_config
+from kvtier.testing.engine import Engine, kv_transfer_config, observe
 
 SYSTEM = tokens(512, seed=1)
 PROMPTS = [SYSTEM + tokens(120, seed=2), tokens(700, seed=3)]
@@ -40,13 +40,19 @@ def test_restart_hits_and_identical_tokens_and_logprobs(tiny_model: Path, store_
 
 
 def test_shared_system_prompt_hits_exactly_the_shared_part(tiny_model: Path, store_dir: Path) -> None:
+    """Also: while the loads are pending, the engine's steps that run no forward pass tell
+    the worker so (``idle``: only those wait briefly for the readers), and the steps that
+    run one do not."""
     with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
         e.generate([SYSTEM + tokens(100, seed=10)], max_tokens=2)
         e.worker_connector._store.flush()
     with Engine(tiny_model) as e:
         base = e.generate([SYSTEM + tokens(100, seed=11), SYSTEM[:300] + tokens(90, seed=12)], max_tokens=6)
     with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        flags: list[bool] = []  # get_finished's idle, step by step
+        observe(e.worker_connector._worker, "get_finished", lambda _, *a, idle=True, **k: flags.append(idle))
         got = e.generate([SYSTEM + tokens(100, seed=11), SYSTEM[:300] + tokens(90, seed=12)], max_tokens=6)
+    assert True in flags and False in flags, flags
     # The shared 512-token system prompt is two 256-token chunks; the suffix differs.
     assert got[0].num_cached_tokens == 512
     # Only the first chunk (256 tokens) is shared when the prompts diverge at 300.

@@ -150,6 +150,46 @@ def test_a_long_load_from_disk_stays_in_the_pool(tmp_path: Path, content: str, s
         worker.close()
 
 
+def test_only_a_step_without_a_forward_pass_waits_for_a_pending_load(tmp_path: Path) -> None:
+    """While an asynchronous load is pending and no chunk has arrived, ``get_finished`` waits
+    briefly for the readers (handing them the GIL) only in a step that ran no forward pass
+    (``idle``: the engine has nothing else to do); a step with one returns at once, so the
+    next step is not delayed."""
+    import threading
+
+    from kvtier.testing.worker_rig import wait_reported
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, G, "kv_last", "cpu")
+        key = os.urandom(32)
+        save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
+        assert store.flush(30)
+        gate = threading.Event()
+        load_many = store.load_many
+
+        def held(*args: object, **kwargs: object) -> object:  # the disk is slow: nothing arrives yet
+            gate.wait(30)
+            return load_many(*args, **kwargs)  # type: ignore[arg-type]
+
+        store.load_many = held  # type: ignore[method-assign]
+        waits: list[float] = []
+        wait = worker._load_signal.wait
+        worker._load_signal.wait = lambda timeout=None: (waits.append(timeout), wait(timeout))[1]  # type: ignore[method-assign]
+        worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [ChunkLoad((key,), 0, G.chunk_tokens, 0,
+                                                                           list(range(PER_CHUNK, 2 * PER_CHUNK)))])]))
+        assert worker.get_finished(set(), idle=False) == (None, None)
+        assert waits == []
+        assert worker.get_finished(set(), idle=True) == (None, None)
+        assert len(waits) == 1
+        gate.set()
+        wait_reported(worker, "a")
+        assert not worker.take_load_errors()
+        worker.close()
+
+
 def test_a_load_reading_ahead_of_the_steps_waits_for_them(tmp_path: Path) -> None:
     """While the engine makes no step (a long forward pass), a load's reader hands over only
     as many chunks as may wait for their copies, then waits, instead of reading on into new
