@@ -150,11 +150,12 @@ def test_a_long_load_from_disk_stays_in_the_pool(tmp_path: Path, content: str, s
         worker.close()
 
 
-def test_only_a_step_without_a_forward_pass_waits_for_a_pending_load(tmp_path: Path) -> None:
+def test_on_a_gpu_only_a_step_without_a_forward_pass_waits_for_a_pending_load(tmp_path: Path) -> None:
     """While an asynchronous load is pending and no chunk has arrived, ``get_finished`` waits
-    briefly for the readers (handing them the GIL) only in a step that ran no forward pass
-    (``idle``: the engine has nothing else to do); a step with one returns at once, so the
-    next step is not delayed."""
+    briefly for the readers (handing them the GIL) in a step that ran no forward pass
+    (``idle``: the engine has nothing else to do). In a step with one it waits on the CPU
+    (the readers share its cores) and, as on a GPU (``busy_step_load_wait`` off), returns at
+    once, so the next step is not delayed."""
     import threading
 
     from kvtier.testing.worker_rig import wait_reported
@@ -180,10 +181,14 @@ def test_only_a_step_without_a_forward_pass_waits_for_a_pending_load(tmp_path: P
         worker._load_signal.wait = lambda timeout=None: (waits.append(timeout), wait(timeout))[1]  # type: ignore[method-assign]
         worker.start_loads(KVTierMetadata(loads=[LoadSpec("a", [ChunkLoad((key,), 0, G.chunk_tokens, 0,
                                                                            list(range(PER_CHUNK, 2 * PER_CHUNK)))])]))
+        assert worker.busy_step_load_wait  # (the CPU)
         assert worker.get_finished(set(), idle=False) == (None, None)
-        assert waits == []
-        assert worker.get_finished(set(), idle=True) == (None, None)
         assert len(waits) == 1
+        worker.busy_step_load_wait = False  # as on a GPU
+        assert worker.get_finished(set(), idle=False) == (None, None)
+        assert len(waits) == 1
+        assert worker.get_finished(set(), idle=True) == (None, None)
+        assert len(waits) == 2
         gate.set()
         wait_reported(worker, "a")
         assert not worker.take_load_errors()
