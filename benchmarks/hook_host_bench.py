@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--copy-bytes", type=int)
     ap.add_argument("--against", help="another kvtier checkout to run side by side")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run: JSON out
     args = ap.parse_args()
     if args.one:
@@ -107,6 +108,8 @@ def main() -> None:
     for r, label, m in rows:
         print(f"| {r} | {label} | {m['save_layer_ms']:.2f} | {m['wait_for_save_ms']:.2f} / {m['wait_for_save_p90_ms']:.2f} "
               f"| {m['step_ms']:.2f} / {m['step_p90_ms']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"round": r, "code": label, **m} for r, label, m in rows], indent=1))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 #   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|storage-tests|all]   # default: all
 #
 # tests: tests/gpu; gpu: gpu_bench.py (GPU_ARGS: extra flags, e.g. "--contents kv_last
-# --chunk-tokens 1024 --chunks 4"); store: storage_bench.py on that disk; storage-tests:
+# --chunk-tokens 1024 --chunks 4", or "--contents kv_last --copy-mib 0 8": one layer per
+# copy beside 8 MiB copies); store: storage_bench.py on that disk; storage-tests:
 # tests/storage with CUDA visible. On an H100 (2026-11-26) tests took 25-40 s and the
 # benchmark about 45 s per content layout; store and storage-tests take minutes. With a
 # short lease run tests and gpu first, in one command.

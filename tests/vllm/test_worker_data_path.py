@@ -246,6 +246,19 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["cold_load_async_gbs"] > 0
 
 
+def test_the_hook_host_benchmark_runs_side_by_side(tmp_path: Path) -> None:
+    """benchmarks/hook_host_bench.py, small: this checkout against itself (``--against``),
+    each run in its own process, every time measured."""
+    out = tmp_path / "hooks.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hook_host_bench.py"), "--chunks", "2",
+                          "--steps", "3", "--rounds", "1", "--against", str(REPO), "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["code"] for r in rows] == ["this checkout", "--against"]
+    assert all(r["wait_for_save_ms"] > 0 and r["step_ms"] >= r["save_layer_ms"] for r in rows)
+
+
 def test_a_step_reads_no_index_and_skips_what_is_stored_or_queued(tmp_path: Path) -> None:
     """The model's thread never reads the index (a cold page waits for the disk): a chunk is
     skipped because the scheduler's lookup found it stored, or because this process has it
