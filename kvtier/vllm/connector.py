@@ -297,7 +297,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                       any_rank=_any_tp_rank if self._tp_size > 1 else None,
                                       save_wait_s=self.settings.save_wait_s,
                                       unsafe_save_steps=_unsafe_save_steps(self._vllm_config),
-                                      stage_bytes=self.settings.device_stage_bytes)
+                                      stage_bytes=self.settings.device_stage_bytes,
+                                      copy_bytes=self.settings.device_copy_bytes)
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return

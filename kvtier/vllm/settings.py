@@ -47,6 +47,9 @@ class ConnectorSettings:
     # Device memory for the worker's copy stage (None: its default, 8 MiB of a batch of
     # chunks per layer slot; see WorkerSide). Never less than one chunk's every layer needs.
     device_stage_bytes: int | None = None
+    # About how many bytes of a chunk's layers one copy between device and host memory
+    # moves (None: 8 MiB on a GPU, one layer at a time on the CPU; 0: one layer at a time).
+    device_copy_bytes: int | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -92,6 +95,9 @@ class ConnectorSettings:
                               f"that do not fit, as a server must), got {wait!r}")
         stage = mine.get("device_stage_bytes")
         stage = None if stage is None else parse_size(stage, "device_stage_bytes")
+        copy = mine.get("device_copy_bytes")
+        copy = None if copy is None else parse_size(copy, "device_copy_bytes")
         return cls(cache=cache, load_failure_policy=policy, weights_fingerprint=fp,
                    save_partial_chunks=partial, save_decode_chunks=decode, load_async=load_async, prefetch_bytes=prefetch,
-                   prefetch_reader=reader, save_wait_s=float(wait), device_stage_bytes=stage)
+                   prefetch_reader=reader, save_wait_s=float(wait), device_stage_bytes=stage,
+                   device_copy_bytes=copy)

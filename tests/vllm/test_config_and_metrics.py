@@ -21,6 +21,7 @@ from kvtier.vllm.worker_side import WorkerSide
     ({"save_decode_chunks": "yes"}, "save_decode_chunks: must be true or false, got 'yes'"),
     ({"save_wait_s": 5}, "save_wait_s: only for an offline producer"),  # (this engine serves: kv_both)
     ({"device_stage_bytes": "lots"}, "device_stage_bytes: cannot read 'lots' as a size"),
+    ({"device_copy_bytes": -1}, "device_copy_bytes: must not be negative"),
 ])
 def test_bad_option_stops_startup_with_clear_message(tiny_model: Path, store_dir: Path,
                                                      extra: dict[str, object], needle: str) -> None:

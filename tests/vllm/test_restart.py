@@ -42,13 +42,16 @@ def test_restart_hits_and_identical_tokens_and_logprobs(tiny_model: Path, store_
 def test_shared_system_prompt_hits_exactly_the_shared_part(tiny_model: Path, store_dir: Path) -> None:
     """Also: while the loads are pending, the engine's steps that run no forward pass tell
     the worker so (``idle``: only those wait briefly for the readers), and the steps that
-    run one do not."""
-    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+    run one do not. Copies here move every layer of a chunk at once (``device_copy_bytes``,
+    grouped as on a GPU), in both engines."""
+    grouped = {"device_copy_bytes": "1G"}
+    with Engine(tiny_model, kv_transfer_config(store_dir, **grouped)) as e:
+        assert e.worker_connector._worker.per_copy == len(e.worker_connector._worker.views) > 1
         e.generate([SYSTEM + tokens(100, seed=10)], max_tokens=2)
         e.worker_connector._store.flush()
     with Engine(tiny_model) as e:
         base = e.generate([SYSTEM + tokens(100, seed=11), SYSTEM[:300] + tokens(90, seed=12)], max_tokens=6)
-    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+    with Engine(tiny_model, kv_transfer_config(store_dir, **grouped)) as e:
         flags: list[bool] = []  # get_finished's idle, step by step
         observe(e.worker_connector._worker, "get_finished", lambda _, *a, idle=True, **k: flags.append(idle))
         got = e.generate([SYSTEM + tokens(100, seed=11), SYSTEM[:300] + tokens(90, seed=12)], max_tokens=6)

@@ -110,7 +110,8 @@ def test_a_steps_saves_reach_the_writer_together(tmp_path: Path) -> None:
 def test_the_device_stage_is_sized_by_device_stage_bytes_and_never_below_a_chunk(tmp_path: Path) -> None:
     """``device_stage_bytes`` (connector setting) sizes the worker's stage; unset, it holds
     BATCH_BYTES of a batch per layer slot and scratch; too small, what one chunk's every
-    layer needs."""
+    layer needs. ``device_copy_bytes`` is read beside it (0: one layer per copy, also on a
+    GPU, where grouped copies are the default)."""
     from kvtier.vllm.block_rows import BATCH_BYTES
     from kvtier.vllm.settings import ConnectorSettings
 
@@ -119,9 +120,12 @@ def test_the_device_stage_is_sized_by_device_stage_bytes_and_never_below_a_chunk
 
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
                       write_queue_bytes=4 * G.chunk_bytes)
-    given = ConnectorSettings.from_extra_config({"path": str(cfg.path), "device_stage_bytes": "3M"})
-    assert given.device_stage_bytes == 3 << 20
-    assert ConnectorSettings.from_extra_config({"path": str(cfg.path)}).device_stage_bytes is None
+    given = ConnectorSettings.from_extra_config({"path": str(cfg.path), "device_stage_bytes": "3M",
+                                                 "device_copy_bytes": 0})
+    assert (given.device_stage_bytes, given.device_copy_bytes) == (3 << 20, 0)
+    default = ConnectorSettings.from_extra_config({"path": str(cfg.path)})
+    assert (default.device_stage_bytes, default.device_copy_bytes) == (None, None)
+    assert ConnectorSettings.from_extra_config({"path": str(cfg.path), "device_copy_bytes": "8M"}).device_copy_bytes == 8 << 20
     with ChunkStore(cfg) as store:
         for stage, copy_bytes, want in ((given.device_stage_bytes, None, 3 << 20),
                                         (None, None, BATCH_BYTES),  # one layer per copy: no scratch
