@@ -188,7 +188,7 @@ class ChunkStore:
         self._queued_bytes = 0
         self._touched: dict[bytes, int] = {}
         self._cv = threading.Condition()
-        self._deferred = threading.local()  # put_batch() on this thread: depth, writer not yet woken
+        self._deferred = threading.local()  # this thread's put_batch(): depth, and held (a wake-up held back)
         self._closed = False
         self._usage_at_close: dict[str, int] = {}  # the disk part of stats(), read at close
         self._exit_flush_gave_up = False  # (see _flush_stores_at_exit)
@@ -253,15 +253,15 @@ class ChunkStore:
         """(Under ``_cv``.) New work for the writer: wake it, or note it for the end of
         this thread's :meth:`put_batch`."""
         if getattr(self._deferred, "depth", 0):
-            self._deferred.woken = False
+            self._deferred.held = True
         else:
             self._cv.notify_all()
 
     def _wake_deferred(self) -> None:
         """Wake the writer for the puts this thread's :meth:`put_batch` held back, if any
         (before anything that waits for the writer)."""
-        if getattr(self._deferred, "woken", True) is False:
-            self._deferred.woken = True
+        if getattr(self._deferred, "held", False):
+            self._deferred.held = False
             with self._cv:
                 self._cv.notify_all()
 

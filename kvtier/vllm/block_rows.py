@@ -166,26 +166,27 @@ class BlockRows:
         then (through the scratch) each slot's stage rows; and the rows per chunk."""
         sizes = [self.rows_per_chunk(len(ids)) for ids in block_lists]
         lists: list[Sequence[int]] = []
-        # per scratch row: its row within its chunk's layer, where its chunk's region starts,
-        # and its chunk's rows per layer
-        canon: list[int] = []
-        starts: list[int] = []
-        sizes_of: list[int] = []
+        slotted = self.scratch(layers)
+        # per scratch row (through the scratch only): its stage row in slot 0, and the
+        # distance between its slots (its chunk's rows per layer)
+        slot0: list[int] = []
+        step: list[int] = []
         for block_step, plane_step, planes, first in self._parts:
             rows, base = [], 0
             for ids, size in zip(block_lists, sizes, strict=True):
                 nb = len(ids)
                 for p in range(planes):
                     rows.extend(b * block_step + p * plane_step for b in ids)
-                    canon.extend(range((first + p) * nb, (first + p + 1) * nb))
-                starts.extend([base * layers] * (planes * nb))
-                sizes_of.extend([size] * (planes * nb))
+                    if slotted:
+                        start = base * layers + (first + p) * nb
+                        slot0.extend(range(start, start + nb))
+                if slotted:
+                    step.extend([size] * (planes * nb))
                 base += size
             lists.append(rows)
-        if self.scratch(layers):  # (numpy: a step's slot lists are thousands of ids)
-            first_slot = np.add(starts, canon, dtype=np.int64)
-            step = np.asarray(sizes_of, dtype=np.int64)
-            lists.extend(first_slot + slot * step for slot in range(layers))
+        if slotted:  # (numpy: a step's slot lists are thousands of ids)
+            at, apart = np.asarray(slot0, dtype=np.int64), np.asarray(step, dtype=np.int64)
+            lists.extend(at + slot * apart for slot in range(layers))
         return lists, sizes
 
     def plan(self, block_lists: Sequence[Sequence[int]], uploaded: list[torch.Tensor], sizes: list[int],
@@ -223,14 +224,14 @@ class BlockRows:
             table.index_copy_(0, rows, scratch.narrow(0, at, rows.shape[0]))
             at += rows.shape[0]
 
-    def regions(self, stage: torch.Tensor, plan: RowPlan, first: int = 0, count: int = 1) -> list[torch.Tensor]:
-        """Each chunk's layer slots ``first .. first + count`` of the stage, as
+    def regions(self, stage: torch.Tensor, plan: RowPlan, count: int = 1) -> list[torch.Tensor]:
+        """Each chunk's first ``count`` layer slots of the stage, as
         :meth:`to_chunk` and :meth:`from_chunk` take them (made once per batch and group).
         A strided layout's are the chunk's canonical layers ``[count, 2, blocks*N, H, D]``
         already; a packed layout's (one slot) its rows ``[blocks, H, 2*N*D]``."""
         out, at = [], 0
         for size, blocks in zip(plan.sizes, plan.blocks, strict=True):
-            region = stage.narrow(0, at + first * size, count * size)
+            region = stage.narrow(0, at, count * size)
             out.append(region if self.permuted else
                        region.view(count, self.planes, blocks * self.block_size, *self.row_shape[1:]))
             at += size * plan.layers

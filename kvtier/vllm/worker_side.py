@@ -73,15 +73,16 @@ class _Staged:
 
 @dataclass
 class _Batch:
-    """A batch of chunks to copy: its plan, each chunk's host tensor split into the groups
-    of layers, and (made once per batch and group size) each chunk's region of the stage."""
+    """A batch of chunks to copy: its plan, each chunk's host tensor split into its groups
+    of layers (``pieces[chunk][group]``), and (made once per batch and group size) each
+    chunk's region of the stage."""
     plan: RowPlan
-    groups: list[tuple[torch.Tensor, ...]]
+    pieces: list[tuple[torch.Tensor, ...]]
     _regions: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     def regions(self, rows: BlockRows, stage: torch.Tensor, count: int) -> list[torch.Tensor]:
         if count not in self._regions:
-            self._regions[count] = rows.regions(stage, self.plan, 0, count)
+            self._regions[count] = rows.regions(stage, self.plan, count)
         return self._regions[count]
 
 
@@ -233,18 +234,17 @@ class WorkerSide:
         """Batches of chunks that fit the stage, with their rows uploaded in one copy (call
         inside ``after_compute``): each batch's plan, and its chunks' positions in
         ``block_lists``."""
-        batches = self.rows.batches(block_lists, self._stage.shape[0], self.per_copy)
         lists: list[Sequence[int]] = []
         parts = []
-        for batch in batches:
-            ids, sizes = self.rows.id_lists([block_lists[i] for i in batch], self.per_copy)
-            parts.append((batch, len(ids), sizes))
+        for batch in self.rows.batches(block_lists, self._stage.shape[0], self.per_copy):
+            chunks = [block_lists[i] for i in batch]
+            ids, sizes = self.rows.id_lists(chunks, self.per_copy)
+            parts.append((batch, chunks, len(ids), sizes))
             lists.extend(ids)
         uploaded = index.upload(lists)
         out, at = [], 0
-        for batch, n, sizes in parts:
-            out.append((self.rows.plan([block_lists[i] for i in batch], uploaded[at : at + n], sizes, self.per_copy),
-                        batch))
+        for batch, chunks, n, sizes in parts:
+            out.append((self.rows.plan(chunks, uploaded[at : at + n], sizes, self.per_copy), batch))
             at += n
         return out
 
@@ -324,18 +324,21 @@ class WorkerSide:
         one copy per chunk."""
         if self._copied[k] or self._staged is None:
             return
-        group = self._groups[k]
         for batch in self._save_batches:
-            for slot, li in enumerate(group):
-                BlockRows.gather(self.tables[li], batch.plan, self._stage, slot)
-            self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(group)))
+            self._gather_group(k, batch.plan, self._stage)
+            self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(self._groups[k])))
         self._copied[k] = True
+
+    def _gather_group(self, k: int, plan: RowPlan, stage: torch.Tensor) -> None:
+        """Group ``k``'s layers of a batch into their slots of ``stage`` (the batch's part)."""
+        for slot, li in enumerate(self._groups[k]):
+            BlockRows.gather(self.tables[li], plan, stage, slot)
 
     def _to_buffers(self, k: int, batch: _Batch, regions: list[torch.Tensor]) -> None:
         """A batch's gathered group ``k`` of layers from the stage (``regions``, per chunk)
         into each chunk's buffer."""
-        for region, groups, blocks in zip(regions, batch.groups, batch.plan.blocks, strict=True):
-            self.rows.to_chunk(region, blocks, groups[k], self.copies.non_blocking)
+        for region, pieces, blocks in zip(regions, batch.pieces, batch.plan.blocks, strict=True):
+            self.rows.to_chunk(region, blocks, pieces[k], self.copies.non_blocking)
 
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
         """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
@@ -381,13 +384,12 @@ class WorkerSide:
         for k in late:
             for batch in self._save_batches:
                 region = self._stage.narrow(0, at, batch.plan.stage_rows)
-                for slot, li in enumerate(self._groups[k]):
-                    BlockRows.gather(self.tables[li], batch.plan, region, slot)
+                self._gather_group(k, batch.plan, region)
                 parts.append((k, region, batch))
                 at += batch.plan.stage_rows
         event = self.copies.record()
         for k, region, batch in parts:
-            self._to_buffers(k, batch, self.rows.regions(region, batch.plan, 0, len(self._groups[k])))
+            self._to_buffers(k, batch, self.rows.regions(region, batch.plan, len(self._groups[k])))
             self._copied[k] = True
         return event
 
@@ -593,20 +595,20 @@ class WorkerSide:
                 # blocks take, past the skipped ones; views made once, not per group)
                 batches = []
                 for plan, batch in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
-                    parts_of = []
+                    pieces = []
                     for i, blocks in zip(batch, plan.blocks, strict=True):
                         chunk, data = loaded[i][1]
                         tokens = data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size)
-                        parts_of.append(tokens.split(sizes))
-                    batches.append(_Batch(plan, parts_of))
+                        pieces.append(tokens.split(sizes))
+                    batches.append(_Batch(plan, pieces))
                 non_blocking, stage = self.copies.non_blocking, self._stage
                 # a group of layers at a time: one copy per chunk into the stage, then one
                 # scatter per layer; a layer's event follows its last batch's scatter
                 for k, group in enumerate(groups):
                     for b, batch in enumerate(batches):
                         regions = batch.regions(self.rows, stage, len(group))
-                        for region, parts_k, blocks in zip(regions, batch.groups, batch.plan.blocks, strict=True):
-                            self.rows.from_chunk(parts_k[k], blocks, region, non_blocking)
+                        for region, pieces, blocks in zip(regions, batch.pieces, batch.plan.blocks, strict=True):
+                            self.rows.from_chunk(pieces[k], blocks, region, non_blocking)
                         for slot, li in enumerate(group):
                             BlockRows.scatter(self.tables[li], batch.plan, stage, slot)
                             if layer_events and b == len(batches) - 1:

@@ -22,11 +22,17 @@ from kvtier.testing.worker_rig import (
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _rank(layers: int, num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> Geometry:
+    """A Llama-3-8B rank's KV geometry (8 KV heads, head_dim 128, block 16, 256-token chunks)."""
+    return Geometry(layers=layers, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256,
+                    num_blocks=num_blocks, dtype=dtype)
+
+
 @pytest.mark.parametrize("content", ["kv_last", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_round_trip_is_bit_exact_and_allocates_nothing_when_warm(tmp_path: Path, content: str,
                                                                       dtype: torch.dtype) -> None:
-    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=128, dtype=dtype)
+    g = _rank(8, 128, dtype)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes)
     with ChunkStore(cfg) as store:
@@ -46,8 +52,7 @@ def test_cuda_a_long_load_from_disk_stays_in_pinned_pool_buffers(tmp_path: Path,
     """Three times as many chunks as the pinned pool holds, from disk, in one load
     (asynchronous, or synchronous): each chunk's buffer comes back once its host-to-device
     copy is done, so none is loaded into pageable memory; bit-exact."""
-    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=2 * 48 * 16,
-                 dtype=torch.bfloat16)
+    g = _rank(8, 2 * 48 * 16)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=12 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
@@ -61,8 +66,7 @@ def test_cuda_a_long_load_from_disk_stays_in_pinned_pool_buffers(tmp_path: Path,
 def test_cuda_saves_under_a_full_cuda_graph_round_trip(tmp_path: Path) -> None:
     """No save_kv_layer hook runs (a full CUDA graph replays the forward pass): wait_for_save
     copies every layer, behind the forward pass, and the chunks come back bit for bit."""
-    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=128,
-                 dtype=torch.bfloat16)
+    g = _rank(8, 128)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes)
     with ChunkStore(cfg) as store:
@@ -96,8 +100,7 @@ def test_cuda_the_model_thread_never_waits_for_copies(tmp_path: Path) -> None:
     from kvtier.testing.worker_rig import load_sync, save_step
     from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
 
-    g = Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=128,
-                 dtype=torch.bfloat16)
+    g = _rank(8, 128)
     per_chunk = g.chunk_tokens // g.block_size
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes)
@@ -143,8 +146,7 @@ def test_cuda_a_long_prefill_steps_saves_and_load_never_wait(tmp_path: Path, con
     from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
 
     chunks = 16
-    g = Geometry(layers=32, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256,
-                 num_blocks=2 * chunks * 16, dtype=torch.bfloat16)
+    g = _rank(32, 2 * chunks * 16)
     per_chunk = g.chunk_tokens // g.block_size
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=2 * chunks * g.chunk_bytes,
                       write_queue_bytes=2 * chunks * g.chunk_bytes)
@@ -176,8 +178,7 @@ def test_cuda_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path:
     """The CPU test of the same name on CUDA: layers two per copy, a stage of three chunks'
     groups (two batches), a partial chunk, hooks in reverse order, steps replayed as CUDA
     graphs; every chunk loads back bit-exact (sync, async, skipping a block)."""
-    g = Geometry(layers=5, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=512,
-                 dtype=torch.bfloat16)
+    g = _rank(5, 512)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=16 * g.chunk_bytes,
                       write_queue_bytes=16 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
@@ -190,8 +191,7 @@ def test_cuda_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path:
 def test_cuda_worker_groups_a_llama_ranks_layers_eight_per_copy(tmp_path: Path) -> None:
     """On a GPU the default groups a chunk's layers so each copy is about 8 MiB: 8 layers of
     a 256-token chunk of a Llama-3-8B rank (1 MiB per layer), in a 72 MiB stage."""
-    g = Geometry(layers=32, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256, num_blocks=64,
-                 dtype=torch.bfloat16)
+    g = _rank(32, 64)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=2 * g.chunk_bytes,
                       write_queue_bytes=2 * g.chunk_bytes)
     with ChunkStore(cfg) as store:

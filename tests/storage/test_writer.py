@@ -42,6 +42,19 @@ def _one_buffer_store(tmp_path: Path, backend: str = "files") -> ChunkStore:
                                   commit_bytes=NBYTES, write_queue_bytes=NBYTES))
 
 
+def _recorded_batches(store: ChunkStore) -> list[list[bytes]]:
+    """The keys of each batch the store writes from now on, as the backend receives them."""
+    batches: list[list[bytes]] = []
+    put_many = store.backend.put_many
+
+    def recording_put_many(items: list) -> object:
+        batches.append([it.key for it in items])
+        return put_many(items)
+
+    store.backend.put_many = recording_put_many  # type: ignore[method-assign]
+    return batches
+
+
 def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -55,14 +68,7 @@ def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
 def test_the_next_batch_is_prepared_while_one_is_written(tmp_path: Path, backend: str) -> None:
     store = _store(tmp_path, backend, batch_chunks=2)
     prepared: list[int] = []
-    batches: list[list[bytes]] = []
-    put_many = store.backend.put_many
-
-    def recording_put_many(items: list) -> object:
-        batches.append([it.key for it in items])
-        return put_many(items)
-
-    store.backend.put_many = recording_put_many  # type: ignore[method-assign]
+    batches = _recorded_batches(store)
 
     def put(i: int) -> None:
         assert store.put(_key(i), _chunk(i), namespace_id=NS, token_start=0, num_tokens=64,
@@ -294,14 +300,7 @@ def test_puts_in_a_put_batch_wake_the_writer_once_and_go_as_one_batch(tmp_path: 
     takes them all as one batch. Put one by one with the committer idle, the first chunk
     goes alone (woken at once, the writer takes what is queued then)."""
     store = _store(tmp_path, backend, batch_chunks=16)
-    batches: list[list[bytes]] = []
-    put_many = store.backend.put_many
-
-    def recording_put_many(items: list) -> object:
-        batches.append([it.key for it in items])
-        return put_many(items)
-
-    store.backend.put_many = recording_put_many  # type: ignore[method-assign]
+    batches = _recorded_batches(store)
     woken = threading.Event()
 
     def ready() -> None:

@@ -87,7 +87,7 @@ def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str, lay
     stage = torch.full((plan.stage_rows, *rows.row_shape), float("nan"))
     for slot in range(slots):
         BlockRows.gather(rows.tables(views[slot]), plan, stage, slot)
-    for ids, region in zip(chunks, rows.regions(stage, plan, 0, slots), strict=True):
+    for ids, region in zip(chunks, rows.regions(stage, plan, slots), strict=True):
         want = torch.empty(slots, 2, len(ids) * N, H, D)
         for slot in range(slots):
             gather_blocks(views[slot], ids, want[slot])
