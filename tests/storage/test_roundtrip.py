@@ -133,6 +133,7 @@ def test_a_tail_saved_at_a_finer_granularity_is_found_by_a_coarser_reader(tmp_pa
     odd = tokens(5, 64 + 27)  # a tail of 27: saved as 24 at granularity 8
     with open_cache(tmp_path / "s", backend, ns, tail=8) as cache:
         cache.save(odd, make_kv(odd))
+        assert cache.flush(30)  # saving is write-behind: a lookup reads the shared index
         assert cache.lookup(odd) == 88
     with open_cache(tmp_path / "s", backend, ns, tail=16) as cache:
         assert cache.lookup(odd) == 64
