@@ -42,7 +42,9 @@ class CopyStream:
         (None on the CPU, where they already have)."""
         if self._stream is None:
             return None
-        event = torch.cuda.Event()
+        # blocking: a thread that waits on it (the writer, for a save's copies) sleeps
+        # instead of spinning a core for up to a forward pass
+        event = torch.cuda.Event(blocking=True)
         event.record(self._stream)
         return event
 

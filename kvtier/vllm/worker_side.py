@@ -93,6 +93,7 @@ class _LoadResult:
     tokens: int = 0
     seconds: float = 0.0
     broken: bool = False  # a copy failed: the later chunks are not copied (they are failed)
+    copied_early: bool = False  # a long synchronous load: chunks copied before its last ones
 
 
 @dataclass
@@ -194,6 +195,7 @@ class WorkerSide:
         # this step's chunks to copy, in batches (views made once per step, not per layer)
         self._save_batches: list[_Batch] = []
         self._staged_index: StepIndex | None = None
+        self._blocks_read: torch.cuda.Event | None = None  # after this step's last gathers so far
         self._hooked = [False] * layers  # which layers' hooks ran this step
         self._copied = [False] * len(self._groups)  # which groups of layers are copied
         self._save_namespace = namespace.id
@@ -219,16 +221,22 @@ class WorkerSide:
         self._load_copy_kernels()
 
     def _load_copy_kernels(self) -> None:
-        """Run each copy kernel once now, on one block (read and written back unchanged):
+        """Run each copy kernel once now, on block 0 (read and written back unchanged):
         CUDA loads a kernel's code on its first launch and may synchronize the device to do
         it, which in the first saving step would stall the model's thread behind the forward
-        pass (seen on an H100: 115 ms)."""
-        index = StepIndex(self.copies.device)
-        ((plan, _),) = self._plan_rows(index, [[0]])
-        with self.copies.after_compute():
-            BlockRows.gather(self.tables[0], plan, self._stage)
-            BlockRows.scatter(self.tables[0], plan, self._stage)
-        self.copies.synchronize()
+        pass (seen on an H100: 115 ms). Twice: PyTorch's CUDA ``index_select`` runs one
+        kernel for up to 16 indices and another above, and a step may use either (a short
+        tail, a batch of chunks); the second pass repeats block 0 as many times as the stage
+        holds, up to 17 rows per table (every repeat reads and writes the same values)."""
+        per_block = self.rows.rows_per_chunk(1) * (self.per_copy + self.rows.scratch(self.per_copy))
+        repeats = max(1, min(17, self._stage.shape[0] // per_block))
+        for blocks in ([0], [0] * repeats):
+            index = StepIndex(self.copies.device)
+            ((plan, _),) = self._plan_rows(index, [blocks])
+            with self.copies.after_compute():
+                BlockRows.gather(self.tables[0], plan, self._stage)
+                BlockRows.scatter(self.tables[0], plan, self._stage)
+            self.copies.synchronize()
 
     def _plan_rows(self, index: StepIndex, block_lists: list[list[int]]) -> list[tuple[RowPlan, list[int]]]:
         """Batches of chunks that fit the stage, with their rows uploaded in one copy (call
@@ -307,6 +315,8 @@ class WorkerSide:
         # hottest prefixes first, those that never need a load while the server runs.
         self.store.touch(used)
         copying = [st for st in staged if st.buf is not None]
+        if self._staged_index is not None:  # (a plan that failed part way: given back)
+            self._save_index.hold(self._staged_index, self.copies.record())
         self._staged_index = self._save_index.take()
         sizes = [len(g) for g in self._groups]
         self._save_batches = [
@@ -326,6 +336,8 @@ class WorkerSide:
             return
         for batch in self._save_batches:
             self._gather_group(k, batch.plan, self._stage)
+            if batch is self._save_batches[-1]:  # the blocks are read (see _end_saves)
+                self._blocks_read = self.copies.record()
             self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(self._groups[k])))
         self._copied[k] = True
 
@@ -354,32 +366,31 @@ class WorkerSide:
         if self._staged is None and (meta is None or not meta.saves):
             return
         late: list[int] = []
-        blocks_read = None
         try:
             with self.copies.after_compute():
                 if self._staged is None:  # no layer hook ran: a CUDA graph replayed the forward
                     self._plan_saves(meta)  # type: ignore[arg-type]
                 late = [k for k, done in enumerate(self._copied) if not done]
-                blocks_read = self._gather_late(late)
+                self._gather_late(late)
         except Exception as exc:
             log.warning("kvtier: copying KV to save failed: %s; the step's chunks stay uncached", exc)
             self._end_saves(store=False)
             return
         if late:
             self._bump(save_layers_after_forward=sum(len(self._groups[k]) for k in late))
-        self._end_saves(store=True, blocks_read=blocks_read)
+        self._end_saves(store=True)
 
-    def _gather_late(self, late: list[int]) -> torch.cuda.Event | None:
+    def _gather_late(self, late: list[int]) -> None:
         """Copy the groups of layers no hook copied (inside ``after_compute``). Where all of
         them fit the stage (one chunk's always do), every gather goes first, each group into
         its own part of the stage, then the host copies: the next step's compute need wait
-        only for the gathers (returns the event after them), not for the copies to host
-        memory, which under a replayed CUDA graph all come after the forward pass."""
+        only for the gathers (the event after them), not for the copies to host memory, which
+        under a replayed CUDA graph all come after the forward pass."""
         rows = sum(batch.plan.stage_rows for batch in self._save_batches) * len(late)
         if not late or rows > self._stage.shape[0]:
             for k in late:
                 self._copy_group(k)
-            return None
+            return
         parts, at = [], 0
         for k in late:
             for batch in self._save_batches:
@@ -387,22 +398,24 @@ class WorkerSide:
                 self._gather_group(k, batch.plan, region)
                 parts.append((k, region, batch))
                 at += batch.plan.stage_rows
-        event = self.copies.record()
+        self._blocks_read = self.copies.record()
         for k, region, batch in parts:
             self._to_buffers(k, batch, self.rows.regions(region, batch.plan, len(self._groups[k])))
             self._copied[k] = True
-        return event
 
-    def _end_saves(self, *, store: bool, blocks_read: torch.cuda.Event | None = None) -> None:
+    def _end_saves(self, *, store: bool) -> None:
         staged, self._staged = self._staged or [], None
         self._save_batches = []
         event = self.copies.record()
+        blocks_read, self._blocks_read = self._blocks_read if store else None, None
         # the gathers read blocks vLLM may hand out again from the next step on: later work on
         # the compute stream waits for them (on the device; this thread does not), from right
         # after this forward pass. Not later: vLLM's model runner V2 zeroes and copies blocks
         # for the next step before it calls the connector's first hook (handle_preemptions).
-        # One event stands for all earlier ones: they are on the same stream; where the last
-        # gathers went before the copies to host memory (``blocks_read``), only for those.
+        # One event stands for all earlier ones: they are on the same stream. Only for the
+        # gathers (``blocks_read``: the event after the step's last ones), not for the copies
+        # to host memory after them (a group of layers of every chunk: milliseconds); for
+        # everything where a copy failed.
         self.copies.compute_waits_for(blocks_read if blocks_read is not None else event)
         if self._staged_index is not None:
             self._save_index.hold(self._staged_index, event)
@@ -443,6 +456,8 @@ class WorkerSide:
             except Exception as exc:  # a fault kvtier did not foresee: recompute, never fail the step
                 log.warning("kvtier: a synchronous load failed: %s; its blocks are recomputed", exc)
                 self._layer_ready.clear()
+                # copies a long load enqueued before the fault land before vLLM recomputes
+                self.copies.compute_waits_for(self.copies.record())
                 self._load_errors.update(b for spec in sync for chunk in spec.chunks for b in chunk.block_ids)
             finally:  # every rank agrees in the same steps, whatever happened here
                 if self.any_rank_failed(failed):
@@ -459,7 +474,11 @@ class WorkerSide:
         blocks) and enqueue their copies layer by layer; whether any of it failed."""
         sync = [self._read_sync(spec) for spec in specs]
         # layer by layer: the first layers compute while later ones are still copied
-        self._scatter([(res, res.loaded) for res in sync], layer_events=True)
+        event = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
+        if any(res.copied_early for res in sync) and len(self._layer_ready) < len(self.views):
+            # nothing was left to copy layer by layer (the chunk after a long load's early
+            # copies failed): the forward pass still waits for those copies
+            self.copies.compute_waits_for(event)
         for res in sync:  # a synchronous load's failures are reported in its own step
             res.loaded = []  # (held until copied: _in_flight)
             self._report(res)
@@ -494,6 +513,7 @@ class WorkerSide:
             if len(res.loaded) >= self._arrived_max and to_come:
                 items, res.loaded = res.loaded, []
                 self._scatter([(res, items)])
+                res.copied_early = True
                 self._release_landed()
 
         self._read(spec, res, deliver)

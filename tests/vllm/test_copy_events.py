@@ -92,25 +92,55 @@ def _assert_stored(store: ChunkStore, key: bytes, caches: dict[str, torch.Tensor
         assert torch.equal(got[li][1], v.transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
 
 
-def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_for_them(tmp_path: Path) -> None:
+def _log_copies(monkeypatch: pytest.MonkeyPatch, copies: GatedCopies) -> list[str]:
+    """The order in which the worker enqueues gathers, copies to host memory and events."""
+    from kvtier.vllm.block_rows import BlockRows
+
+    order: list[str] = []
+    gather, to_chunk, record = BlockRows.gather, BlockRows.to_chunk, copies.record
+
+    def logged(name: str, fn):  # noqa: ANN001, ANN202
+        def call(*args: object) -> object:
+            order.append(name)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(BlockRows, "gather", staticmethod(logged("gather", gather)))
+    monkeypatch.setattr(BlockRows, "to_chunk", logged("host copy", to_chunk))
+    monkeypatch.setattr(copies, "record", logged("event", record))
+    return order
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_for_the_gathers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole: bool) -> None:
+    """Every layer hook ran. The compute stream waits for the event after the step's last
+    gathers (the blocks are read: the next step may reuse them), not for the copies to host
+    memory after it (with ``whole``, every layer of a chunk in one copy, as on a GPU: the
+    last group's copies are a group of layers of every chunk); the writer thread waits for
+    those."""
     from kvtier.vllm.metadata import SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
+    store, worker, caches, copies = _rig(tmp_path, copy_bytes=G.chunk_bytes if whole else None)
+    order = _log_copies(monkeypatch, copies)
     try:
         key, ids = os.urandom(32), list(range(PER_CHUNK))
         save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
-        (event,) = copies.events
-        # the blocks are not reused before the gathers ran: the compute stream waits right
-        # after the forward pass (vLLM's model runner V2 zeroes and copies blocks for the next
-        # step before any connector hook of that step runs)
-        assert copies.compute_waits == [event]
+        per_group = ["gather"] * G.layers + ["event", "host copy"] if whole else ["gather", "event", "host copy"] * G.layers
+        assert order == per_group + ["event"]
+        *_, blocks_read, copied = copies.events
+        # right after the forward pass (vLLM's model runner V2 zeroes and copies blocks for
+        # the next step before any connector hook of that step runs)
+        assert copies.compute_waits == [blocks_read]
         assert worker._in_flight  # its buffer is held while the copies may write into it
-        # the writer thread waits for the event, not the model's thread: nothing is written yet
+        # the writer thread waits for the copies, not the model's thread: nothing is written yet
+        blocks_read.complete()
         assert not store.flush(0.5)
         assert store.backend.present_each([key]) == [False]
-        event.complete()
+        copied.complete()
         assert store.flush(30)
         assert store.backend.present_each([key]) == [True]
+        copies.complete_all()
         worker.get_finished(set())
         assert not worker._in_flight
         store.host.clear()
@@ -130,22 +160,10 @@ def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
     step may reuse them), the writer thread for the one after the copies; the chunks are
     saved whole (``whole``: each chunk's layers all go to host memory in one copy, as on a GPU
     for small chunks; else one copy per layer)."""
-    from kvtier.vllm.block_rows import BlockRows
     from kvtier.vllm.metadata import SaveSpec
 
     store, worker, caches, copies = _rig(tmp_path, copy_bytes=G.chunk_bytes if whole else None)
-    order: list[str] = []
-    gather, to_chunk, record = BlockRows.gather, BlockRows.to_chunk, copies.record
-
-    def logged(name: str, fn):  # noqa: ANN001, ANN202
-        def call(*args: object) -> object:
-            order.append(name)
-            return fn(*args)
-        return call
-
-    monkeypatch.setattr(BlockRows, "gather", staticmethod(logged("gather", gather)))
-    monkeypatch.setattr(BlockRows, "to_chunk", logged("host copy", to_chunk))
-    monkeypatch.setattr(copies, "record", logged("event", record))
+    order = _log_copies(monkeypatch, copies)
     try:
         keys = [os.urandom(32), os.urandom(32)]
         ids = [list(range(PER_CHUNK)), list(range(PER_CHUNK, 2 * PER_CHUNK))]
@@ -379,6 +397,58 @@ def test_a_long_sync_load_copies_early_batches_and_its_last_layer_by_layer(tmp_p
             worker.get_finished(set())
             assert not worker._in_flight
             base += count * PER_CHUNK
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+@pytest.mark.parametrize("fault", ["missing", "raises"])
+def test_a_long_sync_load_that_fails_after_its_early_copies_still_fences_them(
+        tmp_path: Path, fault: str) -> None:
+    """A long synchronous load copies its first chunks as they arrive (see above). If the next
+    chunk is missing, nothing is left to copy layer by layer, so no layer has a wait of its
+    own; if reading raises (a fault kvtier did not foresee), every block is recomputed.
+    Either way the early copies are still in flight: the forward pass, which reads their
+    blocks or recomputes them, must wait for them."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        batch = worker._arrived_max
+        keys, src = _saved_chunks(store, worker, caches, copies, batch + (fault == "raises"))
+        if fault == "missing":
+            keys.append(os.urandom(32))  # chunk ``batch``: never saved
+        else:
+            real = store.load_many
+
+            def failing(ks, ahead=None):  # noqa: ANN001, ANN202
+                chunks = real(ks, ahead)
+                for _ in range(batch):
+                    yield next(chunks)
+                raise RuntimeError("an unforeseen fault")
+
+            store.load_many = failing  # type: ignore[method-assign]
+        base = (batch + 1) * PER_CHUNK
+        dest = [list(range(base + i * PER_CHUNK, base + (i + 1) * PER_CHUNK)) for i in range(batch + 1)]
+        copies.events.clear()
+        spec = LoadSpec("s", [ChunkLoad((k,), i * G.chunk_tokens, G.chunk_tokens, 0, d)
+                              for i, (k, d) in enumerate(zip(keys, dest, strict=True))], sync=True)
+        worker.start_loads(KVTierMetadata(loads=[spec]))
+        early = copies.events[0]  # the first chunks' copies, still in flight
+        assert not early.query()
+        # a wait on it or on any later event (one stream) before the forward pass
+        assert copies.compute_waits and copies.events.index(copies.compute_waits[-1]) >= 0
+        for name in worker.layer_index:
+            worker.wait_for_layer(name)
+        errors = worker.take_load_errors()
+        if fault == "missing":  # the early chunks are loaded, the missing one recomputed
+            assert errors == set(dest[-1])
+            want = [_blocks(caches, ids) for ids in src]
+            for d, w in zip(dest[:batch], want, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
+        else:
+            assert errors == {b for d in dest for b in d}
     finally:
         copies.complete_all()
         worker.close()

@@ -136,6 +136,64 @@ def test_the_device_stage_is_sized_by_device_stage_bytes_and_never_below_a_chunk
             worker.close()
 
 
+@pytest.mark.parametrize(("content", "grouped"), [("kv_last", False), ("kv_last", True), ("cpu", False)])
+def test_the_worker_runs_every_copy_kernel_once_when_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                content: str, grouped: bool) -> None:
+    """CUDA loads a kernel's code on its first launch and may synchronize the device to do it
+    (115 ms behind a queued forward pass on an H100), so the worker runs its copies once at
+    start-up. PyTorch's CUDA ``index_select`` has one kernel for up to 16 indices and another
+    above: the start-up copies use both, on every table (``grouped``: through the scratch)."""
+    from kvtier.vllm.block_rows import BlockRows
+
+    counts: dict[str, list[list[int]]] = {"gather": [], "scatter": []}
+    for name in counts:
+        real = getattr(BlockRows, name)
+
+        def logged(tables, plan, stage, slot=0, _real=real, _name=name):  # noqa: ANN001, ANN202
+            counts[_name].append([rows.numel() for rows in plan.rows])
+            return _real(tables, plan, stage, slot)
+
+        monkeypatch.setattr(BlockRows, name, staticmethod(logged))
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, G, content, "cpu", copy_bytes=G.chunk_bytes if grouped else None)
+        assert worker.per_copy == (G.layers if grouped else 1)
+        assert all(torch.count_nonzero(c) == 0 for c in caches.values())  # read and written back unchanged
+        for name, calls in counts.items():
+            assert any(max(c) <= 16 for c in calls), (name, calls)
+            assert any(min(c) > 16 for c in calls), (name, calls)
+        worker.close()
+
+
+def test_an_index_buffer_taken_by_a_save_plan_that_failed_is_given_back(tmp_path: Path) -> None:
+    """A step's block ids go to the device through a reused index buffer; one taken by a
+    step whose planning failed (the connector logs it and the step goes on) is given back,
+    not lost, so the next steps do not make new ones."""
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, G, "kv_last", "cpu")
+        real = worker._plan_rows
+
+        def fails_once(*args: object) -> object:
+            worker._plan_rows = real
+            raise RuntimeError("an unforeseen fault")
+
+        worker._plan_rows = fails_once
+        spec = SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens, list(range(PER_CHUNK)))
+        with pytest.raises(RuntimeError, match="unforeseen"):
+            worker.save_layer(KVTierMetadata(saves=[spec]), "layer.0")
+        for step in range(3):  # (the planning is retried by the next hook, and then works)
+            save_step(worker, caches, [SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens,
+                                                list(range(step * PER_CHUNK, (step + 1) * PER_CHUNK)))])
+        assert len(worker._save_index._all) == 1  # (on the CPU a buffer is free again at once)
+        assert store.flush(30)
+        worker.close()
+
+
 @pytest.mark.parametrize(("content", "sync"), [("kv_last", False), ("cpu", False), ("kv_last", True)])
 def test_a_long_load_from_disk_stays_in_the_pool(tmp_path: Path, content: str, sync: bool) -> None:
     """Three times as many chunks as the buffer pool holds, loaded in one load (asynchronous,
