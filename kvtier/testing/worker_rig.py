@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,8 +128,10 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
     """Save two chunks per step for ``steps`` steps (random blocks of random KV), then zero the
     caches and load the last ``loads`` chunks back into other blocks, comparing block for
     block (``layer_hooks=False``: no save hook runs, as under a full CUDA graph). Returns the
-    per-step ``(pool slots, index buffer growths)`` of both phases and the
-    chunks that came back different (``mismatches``: must be empty)."""
+    per-step ``(pool slots, index buffer growths)`` of both phases, the device tensors the
+    worker's calls allocated so far after each step (``save_device_allocs`` and
+    ``load_device_allocs``; CUDA only, else 0) and the chunks that came back different
+    (``mismatches``: must be empty)."""
     from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
 
     per_chunk = g.chunk_tokens // g.block_size
@@ -139,7 +142,17 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
     def blocks(cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
         return cache[torch.tensor(ids, device=cache.device)].cpu()
 
-    saved, save_marks = [], []
+    device = next(iter(caches.values())).device
+    allocs = 0
+
+    def counted(call: Callable[[], None]) -> int:  # device allocations made by the worker so far
+        nonlocal allocs
+        before = _device_allocations(device)
+        call()
+        allocs += _device_allocations(device) - before
+        return allocs
+
+    saved, save_marks, save_allocs = [], [], []
     for step in range(steps):
         perm = torch.randperm(g.num_blocks, generator=gen).tolist()
         specs = []
@@ -148,21 +161,32 @@ def save_and_reload(store, worker, caches: dict[str, torch.Tensor], g: Geometry,
             key = os.urandom(32)
             specs.append(SaveSpec(f"r{step}", (key,), 0, g.chunk_tokens, ids))
             saved.append((key, [blocks(c, ids) for c in caches.values()]))
-        save_step(worker, caches, specs, layer_hooks=layer_hooks)
+        save_allocs.append(counted(lambda specs=specs: save_step(worker, caches, specs, layer_hooks=layer_hooks)))
         store.flush(60)
         save_marks.append((store.pool.created, worker._save_index.allocations))
     for c in caches.values():
         c.zero_()
-    load_marks, mismatches = [], []
+    load_marks, load_allocs, mismatches = [], [], []
+    allocs = 0
     for key, want in saved[-loads:]:
         dest = torch.randperm(g.num_blocks, generator=gen)[:per_chunk].tolist()
-        load_sync(worker, [LoadSpec("l", [ChunkLoad((key,), 0, g.chunk_tokens, 0, dest)], sync=True)])
+        spec = LoadSpec("l", [ChunkLoad((key,), 0, g.chunk_tokens, 0, dest)], sync=True)
+        load_allocs.append(counted(lambda spec=spec: load_sync(worker, [spec])))
         ok = not worker.take_load_errors() and all(
             torch.equal(blocks(c, dest), w) for c, w in zip(caches.values(), want, strict=True))
         if not ok:
             mismatches.append(key.hex()[:16])
         load_marks.append((store.pool.created, worker._load_index.allocations))
-    return {"save_marks": save_marks, "load_marks": load_marks, "mismatches": mismatches}
+    return {"save_marks": save_marks, "load_marks": load_marks, "mismatches": mismatches,
+            "save_device_allocs": save_allocs, "load_device_allocs": load_allocs}
+
+
+def _device_allocations(device: torch.device) -> int:
+    """Tensors allocated on ``device`` so far by this process (CUDA's caching allocator
+    counts every request, cached or not); 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
 
 
 def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geometry, *,  # noqa: ANN001

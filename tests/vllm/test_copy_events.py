@@ -186,6 +186,60 @@ def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
         store.close()
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_every_device_copy_is_enqueued_on_the_side_stream_after_the_compute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole: bool) -> None:
+    """On a GPU a copy enqueued outside ``CopyStream.after_compute`` would run on the compute
+    stream, or on the side stream without waiting for the layers it reads: on the CPU both
+    are the same synchronous copy, so this checks where each is enqueued. Saves with and
+    without layer hooks, synchronous loads, and an asynchronous load copied chunk by chunk
+    from disk (``whole``: every layer of a chunk in one copy, as on a GPU)."""
+    import contextlib
+
+    from kvtier.testing.worker_rig import long_load_from_disk, save_and_reload
+    from kvtier.vllm.block_rows import BlockRows
+    from kvtier.vllm.device import StepIndex
+
+    g = Geometry(num_blocks=4 * 16 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=8 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu", copy_bytes=g.chunk_bytes if whole else None)
+        inside = 0
+        outside: list[str] = []
+        after_compute = CopyStream.after_compute
+
+        @contextlib.contextmanager
+        def counted(self: CopyStream):  # noqa: ANN202
+            nonlocal inside
+            inside += 1
+            try:
+                with after_compute(self):
+                    yield
+            finally:
+                inside -= 1
+
+        def guarded(name: str, fn, static: bool):  # noqa: ANN001, ANN202
+            def call(*args: object, **kwargs: object) -> object:
+                if not inside:
+                    outside.append(name)
+                return fn(*args, **kwargs)
+            return staticmethod(call) if static else call
+
+        monkeypatch.setattr(CopyStream, "after_compute", counted)
+        for name in ("gather", "scatter"):
+            monkeypatch.setattr(BlockRows, name, guarded(name, getattr(BlockRows, name), True))
+        for name in ("to_chunk", "from_chunk"):
+            monkeypatch.setattr(BlockRows, name, guarded(name, getattr(BlockRows, name), False))
+        monkeypatch.setattr(StepIndex, "upload", guarded("upload", StepIndex.upload, False))
+        for hooks in (True, False):
+            assert save_and_reload(store, worker, caches, g, steps=3, loads=3, layer_hooks=hooks)["mismatches"] == []
+        got = long_load_from_disk(store, worker, caches, g, chunks=12)
+        assert got["mismatches"] == [] and got["failed_blocks"] == []
+        assert outside == []
+        worker.close()
+
+
 def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path) -> None:
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
