@@ -102,6 +102,24 @@ def _sync_loads_unsafe(vllm_config: Any) -> str | None:
     return "vLLM runs its model runner V2" if v2 else None
 
 
+def _micro_batched(vllm_config: Any) -> bool:
+    """Whether vLLM may split a forward pass into micro-batches (dual-batch overlap,
+    ``enable_dbo``; or ``ubatch_size`` above 1). Each micro-batch then runs every layer on a
+    thread of its own and calls ``save_kv_layer`` for it, so a layer's first call comes
+    before the other micro-batch has written its KV."""
+    pc = vllm_config.parallel_config
+    return bool(getattr(pc, "enable_dbo", False)) or int(getattr(pc, "ubatch_size", 1) or 1) > 1
+
+
+def _layer_waits_run(forward_context: Any) -> bool:
+    """Whether this forward pass runs the attention layers' hooks (``wait_for_layer_load``):
+    not where it replays a full CUDA graph. (kvtier asks vLLM for piecewise graphs where loads
+    are synchronous, but vLLM can turn that back into full graphs, e.g. with
+    ``pass_config.fuse_attn_quant``, and then replays them for uniform decode batches.)"""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) != "FULL"
+
+
 def _unsafe_save_steps(vllm_config: Any) -> int:
     """How many steps' saves a failed synchronous load spoils (see ``UNSAFE_SAVE_STEPS``):
     one where vLLM is known to schedule synchronously, else two. (Where it is known to
@@ -298,10 +316,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                       save_wait_s=self.settings.save_wait_s,
                                       unsafe_save_steps=_unsafe_save_steps(self._vllm_config),
                                       stage_bytes=self.settings.device_stage_bytes,
-                                      copy_bytes=self.settings.device_copy_bytes)
+                                      copy_bytes=self.settings.device_copy_bytes,
+                                      layer_hooks=not _micro_batched(self._vllm_config))
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return
+        if not self._worker.layer_hooks:
+            log.info("kvtier: vLLM splits forward passes into micro-batches: each step's saves are "
+                     "copied after its forward pass")
         if self.settings.prefetch_bytes and self._can_load:
             self.prefetch = self._store.prefetch_recent(ns.id, self.settings.prefetch_bytes,
                                                         self.settings.prefetch_reader)
@@ -321,7 +343,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is not None and meta.uses:
             self._worker.record_uses(meta.uses)  # type: ignore[union-attr]
         if meta is not None and meta.loads:
-            self._worker.start_loads(meta)  # type: ignore[union-attr]
+            self._worker.start_loads(meta, layer_waits=_layer_waits_run(forward_context))  # type: ignore[union-attr]
         elif self._worker is None and self.has_connector_metadata():
             orphan = self._get_connector_metadata()
             if isinstance(orphan, KVTierMetadata):

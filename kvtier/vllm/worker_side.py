@@ -118,7 +118,7 @@ class WorkerSide:
                  kv_caches: dict[str, torch.Tensor], content: Content, block_size: int,
                  any_rank: Callable[[bool], bool] | None = None, save_wait_s: float = 0.0,
                  unsafe_save_steps: int = UNSAFE_SAVE_STEPS, stage_bytes: int | None = None,
-                 copy_bytes: int | None = None) -> None:
+                 copy_bytes: int | None = None, layer_hooks: bool = True) -> None:
         self.store = store
         self.unsafe_save_steps = unsafe_save_steps  # 1 where vLLM schedules synchronously
         # offline producers (warm-up) only: how long a step may wait for the writer to make
@@ -207,6 +207,11 @@ class WorkerSide:
         # finished asynchronous loads, reported once the event after their last copy is done
         self._reporting: list[tuple[torch.cuda.Event | None, str, _LoadResult]] = []
         self._layer_ready: dict[int, torch.cuda.Event | None] = {}  # this step's synchronous loads
+        self._warned_layer_waits = False
+        # whether save_kv_layer's calls say a layer's KV is written: not where vLLM splits the
+        # forward pass into micro-batches (dual-batch overlap), each calling it for each layer;
+        # every layer is then copied in wait_for_save, after the whole forward pass
+        self.layer_hooks = layer_hooks
         self._load_errors: set[int] = set()
         # Keys this rank failed to load (missing, corrupt, the wrong shape): the scheduler's
         # lookup called them stored, but their recomputed KV must be saved; True: replacing
@@ -263,7 +268,7 @@ class WorkerSide:
     # -- saves ---------------------------------------------------------------------
     def save_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
         li = self.layer_index.get(layer_name)
-        if li is None or not meta.saves:
+        if li is None or not meta.saves or not self.layer_hooks:
             return
         with self.copies.after_compute():
             if self._staged is None:  # the step's first layer: plan its saves once
@@ -355,7 +360,12 @@ class WorkerSide:
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
         """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
         the chunks to the store (``wait_for_save``; never waits for a copy)."""
-        self._layer_ready.clear()  # the forward pass has been enqueued: its waits are in
+        if self._layer_ready and not self._warned_layer_waits:  # the forward pass has been
+            # enqueued: its waits are in, or it ran without them (start_loads was told wrong)
+            self._warned_layer_waits = True
+            log.warning("kvtier: the forward pass did not wait for %d layers of a synchronous load "
+                        "(wait_for_layer_load was not called); set load_async: true", len(self._layer_ready))
+        self._layer_ready.clear()
         self._release_landed()
         try:
             self._finish_saves(meta)
@@ -446,13 +456,16 @@ class WorkerSide:
         self._in_flight = [(e, b) for e, b in self._in_flight if not self.copies.done(e)]
 
     # -- loads ---------------------------------------------------------------------
-    def start_loads(self, meta: KVTierMetadata) -> None:
+    def start_loads(self, meta: KVTierMetadata, layer_waits: bool = True) -> None:
+        """``layer_waits``: the forward pass calls ``wait_for_layer_load`` in each attention
+        layer (not where a full CUDA graph replays it: a synchronous load is then waited for
+        whole, before the forward pass)."""
         self._layer_ready.clear()
         sync = [spec for spec in meta.loads if spec.sync]
         if sync:
             failed = True  # unless the loads below are seen through
             try:
-                failed = self._load_sync(sync)
+                failed = self._load_sync(sync, layer_waits)
             except Exception as exc:  # a fault kvtier did not foresee: recompute, never fail the step
                 log.warning("kvtier: a synchronous load failed: %s; its blocks are recomputed", exc)
                 self._layer_ready.clear()
@@ -469,15 +482,16 @@ class WorkerSide:
                 future.add_done_callback(lambda _: self._load_signal.set())
                 self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
 
-    def _load_sync(self, specs: list[LoadSpec]) -> bool:
+    def _load_sync(self, specs: list[LoadSpec], layer_waits: bool = True) -> bool:
         """Read synchronous loads (vLLM calls us before the forward pass that uses their
         blocks) and enqueue their copies layer by layer; whether any of it failed."""
         sync = [self._read_sync(spec) for spec in specs]
         # layer by layer: the first layers compute while later ones are still copied
-        event = self._scatter([(res, res.loaded) for res in sync], layer_events=True)
-        if any(res.copied_early for res in sync) and len(self._layer_ready) < len(self.views):
-            # nothing was left to copy layer by layer (the chunk after a long load's early
-            # copies failed): the forward pass still waits for those copies
+        event = self._scatter([(res, res.loaded) for res in sync], layer_events=layer_waits)
+        if not layer_waits or (any(res.copied_early for res in sync) and len(self._layer_ready) < len(self.views)):
+            # no layer waits for its own copies (a full CUDA graph; or nothing was left to
+            # copy layer by layer, the chunk after a long load's early copies having failed):
+            # the forward pass waits for all of them
             self.copies.compute_waits_for(event)
         for res in sync:  # a synchronous load's failures are reported in its own step
             res.loaded = []  # (held until copied: _in_flight)

@@ -509,6 +509,34 @@ def test_a_long_sync_load_that_fails_after_its_early_copies_still_fences_them(
         store.close()
 
 
+def test_a_sync_load_before_a_full_cuda_graph_is_waited_for_whole(tmp_path: Path) -> None:
+    """A forward pass replayed as a full CUDA graph runs no attention hook, so no layer would
+    wait for its own copies (``layer_waits=False``, which the connector derives from the
+    forward context): the compute stream waits for the whole load before it, and the blocks
+    come back."""
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    try:
+        keys, src = _saved_chunks(store, worker, caches, copies, 2)
+        want = [_blocks(caches, ids) for ids in src]
+        dest = [list(range((2 + i) * PER_CHUNK, (3 + i) * PER_CHUNK)) for i in range(2)]
+        copies.events.clear()
+        copies.compute_waits.clear()
+        spec = LoadSpec("s", [ChunkLoad((k,), i * G.chunk_tokens, G.chunk_tokens, 0, d)
+                              for i, (k, d) in enumerate(zip(keys, dest, strict=True))], sync=True)
+        worker.start_loads(KVTierMetadata(loads=[spec]), layer_waits=False)
+        assert worker._layer_ready == {}
+        assert copies.compute_waits == [copies.events[-1]]  # after every copy of the load
+        assert worker.take_load_errors() == set()
+        for d, w in zip(dest, want, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
 def test_an_index_buffer_is_reused_only_after_its_copies(tmp_path: Path) -> None:
     from kvtier.vllm.metadata import SaveSpec
 

@@ -111,6 +111,24 @@ def test_sleep_mode_is_refused() -> None:
     assert unsupported_setting(cfg) is None
 
 
+def test_micro_batches_and_full_cuda_graphs_are_recognised() -> None:
+    """Where vLLM splits a forward pass into micro-batches (dual-batch overlap), each calls
+    save_kv_layer for every layer: the worker then copies every layer after the forward
+    pass. Where a forward pass replays a full CUDA graph, no wait_for_layer_load runs: a
+    synchronous load is then waited for whole. Both read from vLLM's own config and forward
+    context types."""
+    from vllm.config import CUDAGraphMode, ParallelConfig
+
+    from kvtier.vllm.connector import _layer_waits_run, _micro_batched
+
+    assert not _micro_batched(SimpleNamespace(parallel_config=ParallelConfig()))
+    assert _micro_batched(SimpleNamespace(parallel_config=ParallelConfig(enable_dbo=True)))
+    assert _micro_batched(SimpleNamespace(parallel_config=ParallelConfig(ubatch_size=2)))
+    assert not _layer_waits_run(SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.FULL))
+    assert _layer_waits_run(SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE))
+    assert _layer_waits_run(SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.NONE))
+
+
 def test_external_launcher_with_several_ranks_is_refused() -> None:
     """With torchrun's external launcher every rank schedules on its own: a store written by
     others between two ranks' lookups would give them different steps."""

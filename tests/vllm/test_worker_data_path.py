@@ -166,6 +166,42 @@ def test_the_worker_runs_every_copy_kernel_once_when_it_starts(tmp_path: Path, m
         worker.close()
 
 
+def test_a_micro_batched_forward_pass_is_saved_after_it_whole(tmp_path: Path) -> None:
+    """With dual-batch overlap vLLM runs a forward pass as two micro-batches, on threads that
+    take turns layer by layer, and each calls save_kv_layer for each layer after writing its
+    own part of that layer's KV. Taken as "this layer is written", the first call would copy
+    the second micro-batch's blocks before they hold their new KV, and that chunk would be
+    stored with a valid checksum. The connector tells the worker to ignore the hooks there
+    (``layer_hooks=False``): every layer is copied in wait_for_save, after both."""
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, G, "kv_last", "cpu", layer_hooks=False)
+        micro = [list(range(PER_CHUNK)), list(range(PER_CHUNK, 2 * PER_CHUNK))]  # one request each
+        keys = [os.urandom(32), os.urandom(32)]
+        meta = KVTierMetadata(saves=[SaveSpec(f"r{i}", (k,), 0, G.chunk_tokens, ids)
+                                     for i, (k, ids) in enumerate(zip(keys, micro, strict=True))])
+        gen = torch.Generator().manual_seed(3)
+        for name, cache in caches.items():  # layer by layer, the micro-batches in turn
+            for ids in micro:
+                for b in ids:
+                    cache[b].copy_(torch.randn(cache[b].shape, generator=gen))
+                worker.save_layer(meta, name)
+        worker.finish_saves(meta)
+        assert store.flush(30)
+        store.host.clear()
+        for key, ids in zip(keys, micro, strict=True):
+            got = store.load(key).tensor
+            for li, cache in enumerate(caches.values()):  # [blocks, H, N, 2D] against [2, tokens, H, D]
+                want = cache[torch.tensor(ids)]
+                assert torch.equal(got[li][0], want[..., : G.head_dim].transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+                assert torch.equal(got[li][1], want[..., G.head_dim :].transpose(1, 2).reshape(-1, G.kv_heads, G.head_dim))
+        assert worker.take_stats()["save_layers_after_forward"] == G.layers
+        worker.close()
+
+
 def test_an_index_buffer_taken_by_a_save_plan_that_failed_is_given_back(tmp_path: Path) -> None:
     """A step's block ids go to the device through a reused index buffer; one taken by a
     step whose planning failed (the connector logs it and the step goes on) is given back,
