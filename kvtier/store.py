@@ -203,6 +203,7 @@ class ChunkStore:
         if self._closed:
             return
         self._cv = threading.Condition()
+        self._deferred = threading.local()  # (the forking thread's put_batch does not go on here)
         self._pending, self._queue, self._touched = {}, [], {}
         self._queued_bytes = 0
         self.counters._lock = threading.Lock()
@@ -267,12 +268,20 @@ class ChunkStore:
 
     def _wait_for_room(self, nbytes: int, deadline: float) -> None:
         """Wait until the write queue can take ``nbytes`` more (or could never: then
-        :meth:`put` drops the chunk), or the monotonic ``deadline``."""
+        :meth:`put` drops the chunk), or the monotonic ``deadline``. Wakes the writer for
+        this thread's held puts only where it waits (else a batch would go chunk by chunk)."""
         limit = int(self.config.write_queue_bytes)
+        if nbytes > limit:
+            return
+
+        def full() -> bool:
+            return not self._closed and self._queued_bytes > 0 and self._queued_bytes + nbytes > limit
+
+        with self._cv:
+            if not full():
+                return
         self._wake_deferred()
-        if nbytes <= limit:
-            wait_while(self._cv, lambda: not self._closed and self._queued_bytes > 0
-                       and self._queued_bytes + nbytes > limit, deadline)
+        wait_while(self._cv, full, deadline)
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *,
                wait_until: float | None = None) -> torch.Tensor | None:
@@ -359,6 +368,7 @@ class ChunkStore:
         """Wait until every queued save is committed (or dropped), and uploaded to the remote
         tier if there is one. True if drained."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._wake_deferred()  # (inside a put_batch: its puts are what this waits for)
         if not wait_while(self._cv, lambda: bool(self._queue or self._inflight), deadline):
             return False
         if self.remote is not None:

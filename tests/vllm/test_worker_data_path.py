@@ -80,16 +80,18 @@ def test_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path
     assert got["loaded"] == 2 * 11 + 1
 
 
-def test_a_steps_saves_reach_the_writer_together(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_steps_saves_reach_the_writer_together(tmp_path: Path, offline: bool) -> None:
     """wait_for_save hands the step's chunks to the store in one ``put_batch``: the writer,
     woken once, takes them as one batch (woken per chunk it took the first alone, and took
-    the GIL and the queue's lock from the model's thread between the puts)."""
+    the GIL and the queue's lock from the model's thread between the puts). So does an
+    offline producer's step (``save_wait_s``: its puts may wait for room, and there is room)."""
     from kvtier.vllm.metadata import SaveSpec
 
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
                       write_queue_bytes=4 * G.chunk_bytes, commit_bytes=4 * G.chunk_bytes)
     with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, G, "kv_last", "cpu")
+        worker, caches = make_worker(store, G, "kv_last", "cpu", save_wait_s=30.0 if offline else 0.0)
         batches: list[int] = []
         put_many, put = store.backend.put_many, store.put
         store.backend.put_many = lambda items: (batches.append(len(items)), put_many(items))[1]  # type: ignore[method-assign]
