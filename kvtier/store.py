@@ -240,7 +240,8 @@ class ChunkStore:
         chunks at once). Woken per chunk, the writer thread takes the GIL and the queue's lock
         between the puts: a 16-chunk ``wait_for_save`` took 1.1-1.2 ms (median; p90 up to 3 ms)
         on a quiet 2-core VM against 0.35 ms, and a writer that got the GIL between two puts
-        took the chunks in smaller batches. A put that has to wait for room (``wait_until``) wakes it first."""
+        took the chunks in smaller batches. A put that has to wait for room (``wait_until``) wakes it
+        first, and so does :meth:`flush` (or :meth:`close`) inside the block."""
         local = self._deferred
         local.depth = getattr(local, "depth", 0) + 1
         try:
