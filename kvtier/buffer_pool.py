@@ -94,6 +94,9 @@ class BufferPool:
         self._lock = _Guard(self._take_back)
         self.created = 0  # slots ever allocated (steady state: stops growing)
         self._closed = False
+        # reserved (a serving worker): slots keep their size; a larger chunk gets none (a
+        # record of another shape read from the store would otherwise drop every reserved slot)
+        self._fixed = False
 
     @property
     def allocated_bytes(self) -> int:
@@ -121,6 +124,8 @@ class BufferPool:
         nbytes = _nbytes(shape, dtype)
         if not 0 <= lead < _PAGE or lead % itemsize:
             raise ValueError(f"lead {lead}: must be below {_PAGE} and a multiple of {itemsize}")
+        if self._fixed and nbytes > self.chunk_bytes:
+            return None  # (larger than the reserved slots: nothing to reclaim for it)
         while True:
             slot = self._take(nbytes)
             if slot is not None:
@@ -134,9 +139,11 @@ class BufferPool:
         allocation (one pinned allocation with CUDA, not one per slot). A serving worker
         calls this at start-up, so that no step ever allocates (the first saves would
         otherwise pay for new pinned memory on the model's thread). Slots are cut from it
-        as views; it is freed when the last of them is. Returns the slots made."""
+        as views; it is freed when the last of them is. From then on slots keep that size:
+        :meth:`acquire` of a larger chunk returns None. Returns the slots made."""
         with self._lock:
             self._fit(_nbytes(shape, dtype))
+            self._fixed = True
             count = self.cap_bytes // self.chunk_bytes - self._slots if self.chunk_bytes else 0
             if count <= 0:
                 return 0

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from queue import Empty, Queue
 
@@ -383,7 +384,7 @@ class WorkerSide:
                 late = [k for k, done in enumerate(self._copied) if not done]
                 self._gather_late(late)
         except Exception as exc:
-            log.warning("kvtier: copying KV to save failed: %s; the step's chunks stay uncached", exc)
+            log.warning("kvtier: copying KV to save failed: %s; the step's chunks stay uncached", str(exc))
             self._end_saves(store=False)
             return
         if late:
@@ -467,7 +468,7 @@ class WorkerSide:
             try:
                 failed = self._load_sync(sync, layer_waits)
             except Exception as exc:  # a fault kvtier did not foresee: recompute, never fail the step
-                log.warning("kvtier: a synchronous load failed: %s; its blocks are recomputed", exc)
+                log.warning("kvtier: a synchronous load failed: %s; its blocks are recomputed", str(exc))
                 self._layer_ready.clear()
                 # copies a long load enqueued before the fault land before vLLM recomputes
                 self.copies.compute_waits_for(self.copies.record())
@@ -571,6 +572,8 @@ class WorkerSide:
         # removed now and the recomputed KV replaces them
         results = self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks], ahead)
         for i, chunk in enumerate(spec.chunks):  # (no zip: its reused tuple would keep a chunk)
+            if self._closing:  # (shutting down: nobody takes the rest)
+                raise RuntimeError("the worker closed during a load")
             loaded = next(results)
             if not self._usable(chunk, loaded):
                 for rest in spec.chunks[i:]:
@@ -578,6 +581,8 @@ class WorkerSide:
                 for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
                     self._usable(rest, later)
                     del later
+                    if self._closing:
+                        break
                 break
             deliver((chunk, loaded.tensor))  # type: ignore[arg-type]
             del loaded  # handed over: not kept while the next chunk is read
@@ -650,7 +655,9 @@ class WorkerSide:
             for res, (chunk, _) in loaded:
                 res.tokens += len(chunk.block_ids) * self.block_size
         except Exception as exc:
-            log.warning("kvtier: copying loaded KV into the cache failed: %s", exc)
+            # (the message only, here and above: a handler that keeps records, such as a
+            # MemoryHandler, would keep the exception, whose frames hold the chunks' buffers)
+            log.warning("kvtier: copying loaded KV into the cache failed: %s", str(exc))
             for res, (chunk, _) in loaded:
                 res.failed_blocks.extend(chunk.block_ids)
                 res.broken = True
@@ -689,9 +696,11 @@ class WorkerSide:
         """(A reader thread.) Hand a verified chunk to the model's thread, waiting while as
         many as allowed (by all the loads together) are waiting for their copies; give up if
         the worker closes."""
-        while not self._arrived_slots.acquire(timeout=0.05):
+        while True:
             if self._closing:
                 raise RuntimeError("the worker closed during a load")
+            if self._arrived_slots.acquire(timeout=0.05):
+                break
         arrived.put(item)
         self._load_signal.set()
 
@@ -718,7 +727,7 @@ class WorkerSide:
                 try:
                     job.future.result()
                 except Exception as exc:  # defensive: _read catches storage faults
-                    log.warning("kvtier: load job failed: %s", exc)
+                    log.warning("kvtier: load job failed: %s", str(exc))
                     # what it verified may still be copied; every later chunk is failed
                     for chunk in job.spec.chunks[job.taken:]:
                         job.res.failed_blocks.extend(chunk.block_ids)
@@ -779,10 +788,20 @@ class WorkerSide:
                      c["remote_corrupt"])
 
     def close(self) -> None:
-        self._closing = True  # a reader waiting to hand a chunk over gives up
+        """Stop. Asynchronous loads in flight stop at their next chunk (the engine is shutting
+        down: none is reported), and their readers are waited for at most the store's
+        ``close_timeout_s`` (a read that hangs, on a network file system, is left behind, as
+        the store leaves a hung write); what they handed over is let go."""
+        self._closing = True  # a reader stops at its next chunk, or its next hand-over
         for job in self._loads.values():
             job.future.cancel()
-        self._pool.shutdown(wait=True)
+        futures_wait([job.future for job in self._loads.values()], timeout=self.store.config.close_timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.copies.synchronize()  # shutting down: let the copies in flight land
+        for job in self._loads.values():
+            with contextlib.suppress(Empty):
+                while True:
+                    job.arrived.get_nowait()
+        self._loads.clear()
         self._report_finished()
         self._release_landed()

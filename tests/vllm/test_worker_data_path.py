@@ -204,6 +204,136 @@ def test_a_micro_batched_forward_pass_is_saved_after_it_whole(tmp_path: Path) ->
         worker.close()
 
 
+def _stored_on_disk(store: ChunkStore, worker, caches: dict[str, torch.Tensor], n: int) -> list[bytes]:  # noqa: ANN001
+    """Save ``n`` chunks (blocks ``0 .. n * PER_CHUNK``, four per step) and empty the host
+    tier: a load of them reads the disk. Their keys."""
+    from kvtier.vllm.metadata import SaveSpec
+
+    keys = [os.urandom(32) for _ in range(n)]
+    for first in range(0, n, 4):
+        save_step(worker, caches, [SaveSpec("r", (keys[i],), i * G.chunk_tokens, G.chunk_tokens,
+                                            list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)))
+                                   for i in range(first, min(n, first + 4))])
+        assert store.flush(30)
+    store.host.clear()
+    return keys
+
+
+def _load_spec(req: str, keys: list[bytes], first_block: int):  # noqa: ANN202
+    from kvtier.vllm.metadata import ChunkLoad, LoadSpec
+
+    return LoadSpec(req, [ChunkLoad((k,), i * G.chunk_tokens, G.chunk_tokens, 0,
+                                    list(range(first_block + i * PER_CHUNK, first_block + (i + 1) * PER_CHUNK)))
+                          for i, k in enumerate(keys)])
+
+
+@pytest.mark.parametrize("case", ["reading", "past a miss", "hung read"])
+def test_closing_the_worker_stops_its_loads(tmp_path: Path, case: str) -> None:
+    """A server shutting down closes the worker with asynchronous loads in flight: they stop
+    at their next chunk, also past a missing one (where the rest is read only to find bad
+    records), instead of reading on to the end; and a read that hangs (a network file
+    system) holds ``close`` no longer than the store's ``close_timeout_s``."""
+    import threading
+
+    from kvtier.vllm.metadata import KVTierMetadata
+
+    g = Geometry(num_blocks=16 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=64 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2, close_timeout_s=1.0)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        keys = _stored_on_disk(store, worker, caches, 8)
+        reads: list[bytes] = []
+        hung = threading.Event()
+        real = store.load
+
+        def slow(key: bytes, *args: object, **kwargs: object) -> object:
+            reads.append(key)
+            if case == "hung read" and len(reads) > 2:
+                hung.wait(60)
+            time.sleep(0.05)
+            return real(key, *args, **kwargs)
+
+        store.load = slow  # type: ignore[method-assign]
+        ks = (keys * 5)[:40] if case != "past a miss" else [os.urandom(32)] + (keys * 5)[:39]
+        worker.start_loads(KVTierMetadata(loads=[_load_spec("a", ks, 8 * PER_CHUNK)]))
+        time.sleep(0.2)
+        t, before = time.monotonic(), len(reads)
+        worker.close()
+        took = time.monotonic() - t
+        hung.set()
+        time.sleep(0.3)  # (reads already under way finish)
+        # at most the reads already asked for: the read-ahead, and one per I/O thread
+        assert len(reads) - before <= worker._read_ahead + cfg.io_threads + 1, (before, len(reads))
+        assert took < cfg.close_timeout_s + 0.5, took
+        assert worker._loads == {}
+
+
+def test_a_record_larger_than_the_reserved_buffers_leaves_them_as_they_are(tmp_path: Path) -> None:
+    """The worker reserves every pool buffer at start-up, sized for its chunks. A record of
+    a larger shape found under a key (another geometry's, a damaged store's) is read into
+    memory of its own and refused: the reserved buffers keep their size and number (else
+    every later buffer would be a new allocation, pinned, on the model's thread)."""
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, _ = make_worker(store, G, "kv_last", "cpu")
+        before = (store.pool.chunk_bytes, store.pool.free_slots, store.pool.created)
+        key = os.urandom(32)
+        big = torch.randn(2 * G.layers, 2, G.chunk_tokens, G.kv_heads, G.head_dim)
+        assert store.put(key, big, namespace_id=worker.namespace.id, token_start=0, num_tokens=G.chunk_tokens)
+        assert store.flush(30)
+        store.host.clear()
+        got = store.load(key)
+        assert got.tensor is not None and torch.equal(got.tensor, big)  # (the store's reads are whole)
+        assert not worker._usable(_load_spec("a", [key], 0).chunks[0], got)  # not this rank's shape
+        del got
+        store.host.clear()
+        assert (store.pool.chunk_bytes, store.pool.free_slots, store.pool.created) == before
+        assert store.counters.snapshot()["unpooled_loads"] == 1
+        worker.close()
+
+
+def test_a_warning_about_a_failed_copy_keeps_no_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed copy is logged with its message only: a handler that keeps records (a
+    MemoryHandler) would otherwise keep the exception, whose frames hold the chunks' pool
+    buffers, and the pool would run dry."""
+    import logging
+
+    from kvtier.vllm import worker_side
+    from kvtier.vllm.metadata import KVTierMetadata
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=8 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes, io_threads=2)
+    keep = Keep()
+    logging.getLogger("kvtier").addHandler(keep)
+    try:
+        with ChunkStore(cfg) as store:
+            worker, caches = make_worker(store, G, "kv_last", "cpu")
+            keys = _stored_on_disk(store, worker, caches, 4)
+
+            def failing(*args: object) -> None:
+                raise RuntimeError("an injected device error")
+
+            monkeypatch.setattr(worker_side.BlockRows, "scatter", staticmethod(failing))
+            worker.start_loads(KVTierMetadata(loads=[_load_spec("f", keys, 4 * PER_CHUNK)]))
+            from kvtier.testing.worker_rig import wait_reported
+
+            wait_reported(worker, "f")
+            assert worker.take_load_errors()  # the blocks are recomputed
+            warned = [r for r in records if "copying loaded KV" in r.getMessage()]
+            assert warned and all(isinstance(a, str) for r in warned for a in (r.args or ()))
+            worker.close()
+    finally:
+        logging.getLogger("kvtier").removeHandler(keep)
+
+
 def test_an_index_buffer_taken_by_a_save_plan_that_failed_is_given_back(tmp_path: Path) -> None:
     """A step's block ids go to the device through a reused index buffer; one taken by a
     step whose planning failed (the connector logs it and the step goes on) is given back,
