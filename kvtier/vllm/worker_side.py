@@ -111,6 +111,7 @@ class _LoadJob:
     res: _LoadResult
     arrived: Queue[tuple[ChunkLoad, torch.Tensor]]
     future: Future[_LoadResult]
+    stop: threading.Event  # its request finished (aborted) before the load did: read no more
     taken: int = 0
 
 
@@ -478,10 +479,11 @@ class WorkerSide:
                     self._unsafe_save_steps = self.unsafe_save_steps
         for spec in meta.loads:
             if not spec.sync and spec.req_id not in self._loads:
-                res, arrived = _LoadResult(), Queue()  # (bounded by _arrived_slots)
-                future = self._pool.submit(self._read_shared, spec, res, functools.partial(self._hand_over, arrived))
+                res, arrived, stop = _LoadResult(), Queue(), threading.Event()  # (bounded by _arrived_slots)
+                future = self._pool.submit(self._read_shared, spec, res,
+                                           functools.partial(self._hand_over, arrived, stop), stop.is_set)
                 future.add_done_callback(lambda _: self._load_signal.set())
-                self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future)
+                self._loads[spec.req_id] = _LoadJob(spec, res, arrived, future, stop)
 
     def _load_sync(self, specs: list[LoadSpec], layer_waits: bool = True) -> bool:
         """Read synchronous loads (vLLM calls us before the forward pass that uses their
@@ -541,7 +543,8 @@ class WorkerSide:
             self.copies.compute_waits_for(self._layer_ready.pop(li))
 
     def _read_shared(self, spec: LoadSpec, res: _LoadResult,
-                     deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None]) -> _LoadResult:
+                     deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None],
+                     stop: Callable[[], bool]) -> _LoadResult:
         """:meth:`_read` for an asynchronous load: the loads reading at once split the reads
         ahead between them, so that together they hold about as many pooled buffers as one
         (each keeps the read it waits for; beyond the pool a chunk lands in new memory: an
@@ -550,14 +553,14 @@ class WorkerSide:
             self._readers += 1
         try:
             return self._read(spec, res, deliver,
-                              ahead=lambda: self._read_ahead // max(1, self._readers))
+                              ahead=lambda: self._read_ahead // max(1, self._readers), stop=stop)
         finally:
             with self._readers_lock:
                 self._readers -= 1
 
     def _read(self, spec: LoadSpec, res: _LoadResult,
               deliver: Callable[[tuple[ChunkLoad, torch.Tensor]], None],
-              ahead: Callable[[], int] | None = None) -> _LoadResult:
+              ahead: Callable[[], int] | None = None, stop: Callable[[], bool] | None = None) -> _LoadResult:
         """Read and verify a request's chunks (a background thread in async mode), handing
         each verified chunk to ``deliver`` as it arrives, in order; failures go to ``res``.
 
@@ -574,6 +577,8 @@ class WorkerSide:
         for i, chunk in enumerate(spec.chunks):  # (no zip: its reused tuple would keep a chunk)
             if self._closing:  # (shutting down: nobody takes the rest)
                 raise RuntimeError("the worker closed during a load")
+            if stop is not None and stop():  # (its request is gone: nobody takes the rest)
+                break
             loaded = next(results)
             if not self._usable(chunk, loaded):
                 for rest in spec.chunks[i:]:
@@ -581,7 +586,7 @@ class WorkerSide:
                 for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
                     self._usable(rest, later)
                     del later
-                    if self._closing:
+                    if self._closing or (stop is not None and stop()):
                         break
                 break
             deliver((chunk, loaded.tensor))  # type: ignore[arg-type]
@@ -691,14 +696,16 @@ class WorkerSide:
         self._reporting = still
         return done
 
-    def _hand_over(self, arrived: Queue[tuple[ChunkLoad, torch.Tensor]],
+    def _hand_over(self, arrived: Queue[tuple[ChunkLoad, torch.Tensor]], stop: threading.Event,
                    item: tuple[ChunkLoad, torch.Tensor]) -> None:
         """(A reader thread.) Hand a verified chunk to the model's thread, waiting while as
         many as allowed (by all the loads together) are waiting for their copies; give up if
-        the worker closes."""
+        the worker closes, or drop it if the request is gone (``stop``)."""
         while True:
             if self._closing:
                 raise RuntimeError("the worker closed during a load")
+            if stop.is_set():
+                return
             if self._arrived_slots.acquire(timeout=0.05):
                 break
         arrived.put(item)
@@ -721,6 +728,8 @@ class WorkerSide:
                     break
                 self._arrived_slots.release()  # taken: its buffer is held until copied (_in_flight)
             job.taken += len(new)
+            if job.stop.is_set():  # its request is gone: nothing more is copied for it
+                new = []
             if done:
                 del self._loads[req_id]
                 finished.append((req_id, job.res))
@@ -731,6 +740,8 @@ class WorkerSide:
                     # what it verified may still be copied; every later chunk is failed
                     for chunk in job.spec.chunks[job.taken:]:
                         job.res.failed_blocks.extend(chunk.block_ids)
+                if job.stop.is_set():  # nothing reported failed: its blocks are freed once it is reported
+                    job.res.failed_blocks.clear()
             if new:
                 parts.append((job.res, new))
         event = self._scatter(parts) if parts else None
@@ -740,7 +751,11 @@ class WorkerSide:
 
     # -- completion ------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str], idle: bool = True) -> tuple[set[str] | None, set[str] | None]:
-        """``idle``: the step ran no forward pass (the engine only waits for loads)."""
+        """``idle``: the step ran no forward pass (the engine only waits for loads).
+        ``finished_req_ids``: requests that ended; one whose load is still in flight was
+        aborted (vLLM holds its blocks until the load is reported): the load stops reading."""
+        for req_id in finished_req_ids & self._loads.keys():
+            self._loads[req_id].stop.set()
         if self._loads and (idle or self.busy_step_load_wait):
             # vLLM's engine loop spins on this thread while requests wait for their KV and
             # nothing else runs; a short wait here hands the GIL to the reader threads

@@ -269,6 +269,47 @@ def test_closing_the_worker_stops_its_loads(tmp_path: Path, case: str) -> None:
         assert worker._loads == {}
 
 
+def test_a_load_whose_request_was_aborted_stops_reading(tmp_path: Path) -> None:
+    """A request aborted while its asynchronous load reads (the client went away) comes in
+    ``finished_req_ids``; vLLM holds its blocks until the load is reported. The load stops at
+    its next chunk instead of reading the whole prompt, copies nothing more, and is reported
+    soon, with no blocks reported failed (the request is gone)."""
+    from kvtier.vllm.metadata import KVTierMetadata
+
+    g = Geometry(num_blocks=16 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=64 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        keys = _stored_on_disk(store, worker, caches, 8)
+        reads: list[bytes] = []
+        real = store.load
+
+        def slow(key: bytes, *args: object, **kwargs: object) -> object:
+            reads.append(key)
+            time.sleep(0.05)
+            return real(key, *args, **kwargs)
+
+        store.load = slow  # type: ignore[method-assign]
+        worker.start_loads(KVTierMetadata(loads=[_load_spec("a", (keys * 5)[:40] + [os.urandom(32)], 8 * PER_CHUNK)]))
+        time.sleep(0.2)
+        before = len(reads)
+        done: set[str] = set()
+        deadline = time.monotonic() + 30
+        finished = {"a"}  # (vLLM passes a finished request once)
+        while "a" not in done and time.monotonic() < deadline:
+            _, got = worker.get_finished(finished)
+            finished = set()
+            done |= got or set()
+            time.sleep(0.01)
+        assert "a" in done
+        # at most the reads already asked for: the read-ahead, and one per I/O thread
+        assert len(reads) - before <= worker._read_ahead + cfg.io_threads + 1, (before, len(reads))
+        assert worker.take_load_errors() == set()  # (not even the missing last chunk's blocks)
+        assert worker._loads == {} and worker._arrived_slots._value == worker._arrived_max
+        worker.close()
+
+
 def test_a_record_larger_than_the_reserved_buffers_leaves_them_as_they_are(tmp_path: Path) -> None:
     """The worker reserves every pool buffer at start-up, sized for its chunks. A record of
     a larger shape found under a key (another geometry's, a damaged store's) is read into
