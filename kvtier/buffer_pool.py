@@ -185,24 +185,29 @@ class BufferPool:
             self.slot_bytes = -(-nbytes // _PAGE) * _PAGE + _PAGE
 
     def _make(self, count: int, size: int) -> list[np.ndarray]:
-        """``count`` slots of ``size`` bytes, cut from one allocation; the caller has counted
-        them in ``_slots`` (under the lock, with the cap), and gets that back on failure."""
+        """``count`` slots of ``size`` bytes, cut from as few allocations as can hold them
+        (:func:`arena_pieces`); the caller has counted them in ``_slots`` (under the lock,
+        with the cap), and gets that back on failure."""
+        slots: list[np.ndarray] = []
         try:
-            arena = self._new_slot(size * count)
+            for nbytes, n in arena_pieces(count, size, pinned=self.pin):
+                arena = self._new_arena(nbytes, n * size)
+                slots.extend(arena[i * size : (i + 1) * size] for i in range(n))
         except BaseException:
             with self._lock:
                 self._slots -= count
             raise
-        self.created += count - 1  # (_new_slot counted one)
-        return [arena[i * size : (i + 1) * size] for i in range(count)]
+        self.created += count
+        return slots
 
-    def _new_slot(self, size: int) -> np.ndarray:
+    def _new_arena(self, nbytes: int, used: int) -> np.ndarray:
+        """``used`` bytes from the first page of a new allocation of ``nbytes`` (at least a
+        page more), touched."""
         # page-aligned (pinned memory is; the CPU allocator aligns to 64 bytes): for O_DIRECT
-        t = torch.empty(size + _PAGE, dtype=torch.uint8, pin_memory=self.pin)
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         start = -t.data_ptr() % _PAGE
-        t = t[start : start + size]
+        t = t[start : start + used]
         t.zero_()  # touch every page now, once, not on each use
-        self.created += 1
         return t.numpy()
 
     def _take_back(self, slot: np.ndarray) -> None:
@@ -213,6 +218,26 @@ class BufferPool:
 
     def after_fork_in_child(self) -> None:
         self._lock.after_fork_in_child()
+
+
+def arena_pieces(count: int, size: int, *, pinned: bool) -> list[tuple[int, int]]:
+    """How to allocate ``count`` slots of ``size`` bytes: ``(bytes, slots)`` per allocation,
+    each a page more than its slots (for alignment). Pageable memory: one allocation. Pinned
+    memory: PyTorch's pinned allocator rounds every allocation up to a power of two (a
+    1.25 GiB pool would pin 2 GiB, a 64.25 GiB one 128 GiB), so each allocation is a power of
+    two, the largest that the slots left fill, down to one slot's: a few allocations, each
+    wasting less than a slot."""
+    if not pinned:
+        return [(count * size + _PAGE, count)] if count else []
+    out, left = [], count
+    while left:
+        nbytes = 1 << ((left * size + _PAGE).bit_length() - 1)  # (a power of two, at most what is left)
+        if nbytes < size + _PAGE:  # less than one slot: the next power of two holds one
+            nbytes <<= 1
+        n = min(left, (nbytes - _PAGE) // size)
+        out.append((nbytes, n))
+        left -= n
+    return out
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

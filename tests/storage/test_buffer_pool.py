@@ -91,6 +91,48 @@ def test_reserve_makes_every_slot_at_once_and_close_lets_them_go() -> None:
     assert pool.free_slots == 0  # a closed pool keeps nothing
 
 
+@pytest.mark.parametrize("count", [1, 2, 7, 40, 64, 2000])
+@pytest.mark.parametrize("chunk", [32 << 20, 1 << 20, 8 << 10])
+def test_pinned_slots_come_in_power_of_two_allocations(count: int, chunk: int) -> None:
+    """PyTorch's pinned allocator rounds each allocation up to a power of two: one arena of
+    1.25 GiB pinned 2 GiB. Pinned slots come from power-of-two allocations, each a page
+    more than its slots, together wasting at most a slot and a page per allocation."""
+    from kvtier.buffer_pool import arena_pieces
+
+    page = 4096
+    size = chunk + page  # (a slot: the chunk in whole pages, and one more)
+    pieces = arena_pieces(count, size, pinned=True)
+    assert sum(n for _, n in pieces) == count
+    assert all(nbytes & (nbytes - 1) == 0 and n >= 1 and n * size + page <= nbytes for nbytes, n in pieces)
+    assert len(pieces) <= count.bit_length() + 1
+    assert sum(nbytes for nbytes, _ in pieces) <= count * size + len(pieces) * (size + page)
+    assert arena_pieces(count, size, pinned=False) == [(count * size + page, count)]  # pageable: one
+
+
+def test_a_reserved_pinned_pool_asks_for_power_of_two_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's pinned path, with pinning itself left out (it needs a CUDA device): every
+    allocation it asks for is a power of two, and its slots are distinct, page-aligned and
+    usable. 40 slots of 1 MiB chunks: 44 MiB asked for (one arena: 64 MiB)."""
+    asked: list[int] = []
+    empty = torch.empty
+
+    def unpinned(*args: object, pin_memory: bool = False, **kwargs: object) -> torch.Tensor:
+        asked.append(int(args[0]))  # type: ignore[call-overload]
+        return empty(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "empty", unpinned)
+    shape = (1, 2, 2048, 4, 32)  # 1 MiB in bf16
+    pool = BufferPool(40 << 20, pin=True)
+    assert pool.reserve(shape, torch.bfloat16) == 40
+    assert all(n & (n - 1) == 0 for n in asked) and sum(asked) == 44 << 20, asked
+    taken = [pool.acquire(shape, torch.bfloat16) for _ in range(40)]
+    assert all(t is not None and t.data_ptr() % 4096 == 0 for t in taken)
+    assert len({t.data_ptr() for t in taken}) == 40 and pool.acquire(shape, torch.bfloat16) is None
+    for i, t in enumerate(taken):
+        t.fill_(i)
+    assert all(bool((t == i).all()) for i, t in enumerate(taken))  # (no two overlap)
+
+
 def test_a_slot_can_hold_a_whole_record_for_direct_reads() -> None:
     """``lead``: the tensor starts that far into a page-aligned storage that has room for
     the record's header before it and whole pages after it (what O_DIRECT needs)."""
