@@ -363,10 +363,14 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     try:
         d2h, h2d = raw_copies(g, device, chunks, args.repeat)
-        rows = [run_content(c, g, device, chunks, args.steps, root / "run", forward_s, args.repeat,
-                            None if mib is None else int(mib * 2**20),
-                            None if args.stage_mib is None else int(args.stage_mib * 2**20))
-                for c in args.contents for mib in args.copy_mib]
+        rows = []
+        for c in args.contents:
+            for mib in args.copy_mib:
+                rows.append(run_content(c, g, device, chunks, args.steps, root / "run", forward_s, args.repeat,
+                                        None if mib is None else int(mib * 2**20),
+                                        None if args.stage_mib is None else int(args.stage_mib * 2**20)))
+                # each row's store goes once measured (a GPU geometry's rows write about 18 GiB each)
+                shutil.rmtree(root / "run", ignore_errors=True)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

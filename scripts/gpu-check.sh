@@ -8,6 +8,10 @@
 #   scripts/gpu-wheels.sh          # first, where a package index is reachable
 #   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|storage-tests|all]   # default: all
 #
+# .gpu-wheels/ is gitignored: a tool that copies the working tree to the GPU machine must be
+# told to carry it along. Each part has a time limit (tests 300 s, gpu 420 s), so a hang
+# cannot use up a short lease; run the parts as separate commands (`;`, not `&&`).
+#
 # tests: tests/gpu; gpu: gpu_bench.py (GPU_ARGS: extra flags, e.g. "--contents kv_last
 # --chunk-tokens 1024 --chunks 4", or "--contents kv_last --copy-mib 0 8": one layer per
 # copy beside 8 MiB copies); store: storage_bench.py on that disk; storage-tests:
@@ -30,8 +34,8 @@ if ! "$python" -c "import lmdb, zstandard, xxhash" 2>/dev/null; then
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-log="$out/log.txt"  # the benchmarks' progress and errors
-"$python" - <<'PY' | tee "$log"
+log="$out/log.txt"  # the benchmarks' progress and errors (appended: one file for every part run)
+"$python" - <<'PY' | tee -a "$log"
 import platform, torch
 print("python", platform.python_version(), "torch", torch.__version__,
       "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))
@@ -39,7 +43,7 @@ PY
 
 if [[ "$part" == tests || "$part" == all ]]; then
   # tests/gpu skip without CUDA; a failure is reported, and the benchmarks still run
-  "$python" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$out/tests.txt" | tail -5 || true
+  timeout 300 "$python" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$out/tests.txt" | tail -5 || true
 fi
 if [[ "$part" == storage-tests || "$part" == all ]]; then
   # the storage suite with CUDA visible (pinned pool buffers)
@@ -47,9 +51,11 @@ if [[ "$part" == storage-tests || "$part" == all ]]; then
     | tee -a "$out/tests.txt" | tail -3 || true
 fi
 if [[ "$part" == gpu || "$part" == all ]]; then
+  rm -rf "${TMPDIR:-/tmp}/kvtier-gpu-bench"  # (a run before this one's stores)
+  df -h "${TMPDIR:-/tmp}" >>"$log" 2>&1 || true
   # shellcheck disable=SC2086
-  "$python" benchmarks/gpu_bench.py --dir "${TMPDIR:-/tmp}/kvtier-gpu-bench" --json "$out/gpu_bench.json" \
-    ${GPU_ARGS:-} 2>>"$log" | tee "$out/gpu_bench.md"
+  timeout 420 "$python" benchmarks/gpu_bench.py --dir "${TMPDIR:-/tmp}/kvtier-gpu-bench" --json "$out/gpu_bench.json" \
+    ${GPU_ARGS:-} 2>>"$log" | tee "$out/gpu_bench.md" || echo "gpu_bench failed or timed out: see $log" >&2
 fi
 if [[ "$part" == store || "$part" == all ]]; then
   for mib in 256 128; do

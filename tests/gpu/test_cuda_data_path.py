@@ -13,11 +13,14 @@ from kvtier import CacheConfig
 from kvtier.store import ChunkStore
 from kvtier.testing.worker_rig import (
     Geometry,
+    ensure_metadata_base,
     grouped_round_trip,
     long_load_from_disk,
     make_worker,
     save_and_reload,
 )
+
+ensure_metadata_base()  # (a GPU machine has no vLLM: any test may run first, or alone with -k)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
