@@ -57,7 +57,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from bench_common import evict  # noqa: E402
 
-from kvtier import CacheConfig  # noqa: E402
+from kvtier import CacheConfig, codec  # noqa: E402
 from kvtier.store import ChunkStore  # noqa: E402
 from kvtier.testing.worker_rig import (  # noqa: E402
     Geometry,
@@ -110,6 +110,33 @@ def raw_copies(g: Geometry, device: torch.device, n: int, repeat: int) -> tuple[
 
     total = n * g.chunk_bytes
     return total / timed(d2h, device, repeat) / 1e9, total / timed(h2d, device, repeat) / 1e9
+
+
+_PAGE = 4096
+
+
+def raw_piece_copies(device: torch.device, total: int, piece: int, offset: int, repeat: int) -> tuple[float, float]:
+    """Raw pinned copies of ``total`` bytes, ``piece`` bytes per copy, the host side starting
+    ``offset`` bytes past a page: a pooled chunk sits a record header into its slot, so the
+    worker's copies start there. Tells copy size from host alignment as a cause of the save
+    and load rates (GB/s D2H, H2D)."""
+    pin = device.type == "cuda"
+    n = max(1, total // piece)
+    dev = torch.zeros(n * piece, dtype=torch.uint8, device=device)
+    buf = torch.empty(n * piece + 2 * _PAGE, dtype=torch.uint8, pin_memory=pin)
+    start = -buf.data_ptr() % _PAGE + offset
+    host = buf[start : start + n * piece]
+    host.zero_()
+
+    def d2h() -> None:
+        for i in range(n):
+            host[i * piece : (i + 1) * piece].copy_(dev[i * piece : (i + 1) * piece], non_blocking=pin)
+
+    def h2d() -> None:
+        for i in range(n):
+            dev[i * piece : (i + 1) * piece].copy_(host[i * piece : (i + 1) * piece], non_blocking=pin)
+
+    return n * piece / timed(d2h, device, repeat) / 1e9, n * piece / timed(h2d, device, repeat) / 1e9
 
 
 def raw_disk_read(files: list[Path]) -> float:
@@ -363,6 +390,10 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     try:
         d2h, h2d = raw_copies(g, device, chunks, args.repeat)
+        lead = codec.record_lead((g.layers, 2, g.chunk_tokens, g.kv_heads, g.head_dim), g.dtype)
+        pieces = {f"{mib:g} MiB at +{off} B": raw_piece_copies(device, chunks * g.chunk_bytes, int(mib * 2**20), off,
+                                                             args.repeat)
+                  for mib in (1, 8) for off in (0, lead)}
         rows = []
         for c in args.contents:
             for mib in args.copy_mib:
@@ -378,7 +409,9 @@ def main() -> None:
     print(f"device: {name}; chunk {g.chunk_bytes / 2**20:.1f} MiB ({g.layers} layers, {g.kv_heads} KV heads, "
           f"head_dim {g.head_dim}, {str(g.dtype).removeprefix('torch.')}, {g.chunk_tokens} tokens); "
           f"{chunks} chunks per prefill step")
-    print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)\n")
+    print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)")
+    print("raw copies by size and host offset (D2H / H2D GB/s; a pooled chunk starts a record header "
+          "into its slot): " + "; ".join(f"{k}: {a:.2f} / {b:.2f}" for k, (a, b) in pieces.items()) + "\n")
     print("| content (layers per copy; device stage) | save GB/s (vs D2H) | host-tier load GB/s (vs H2D) | cold load GB/s (vs disk read) "
           "| cold load, asynchronous | cold load with direct_reads (O_DIRECT) | prefill overhead; host time in hooks "
           "| decode overhead; hooks "
@@ -415,7 +448,8 @@ def main() -> None:
     else:
         print("\nCPU run: the targets of issue 7 are GPU targets; these figures check the code path only.")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "d2h_gbs": d2h, "h2d_gbs": h2d, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": name, "d2h_gbs": d2h, "h2d_gbs": h2d, "raw_pieces": pieces,
+                                                 "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
