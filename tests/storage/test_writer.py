@@ -379,6 +379,11 @@ def test_a_process_forked_inside_a_put_batch_wakes_its_own_writer(tmp_path: Path
                 code = 0 if store.backend.present_each([_key(9)])[0] else 3
             finally:
                 os._exit(code)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+        deadline = time.monotonic() + 60
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not done[0]:  # (a child that hangs fails the test, never the suite)
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung or failed"
     store.close()
