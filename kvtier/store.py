@@ -51,6 +51,9 @@ from kvtier.remote import RemoteTier, open_remote
 
 log = logging.getLogger("kvtier")
 _ENFORCE_STEP_BYTES = 1 << 30  # most a budget check evicts in one index commit
+# How often the writer looks at its queue when nothing woke it (a heartbeat due; a put that
+# did not wake it would wait this long to be written)
+WRITER_POLL_S = 1.0
 
 
 class Outcome(Enum):
@@ -391,7 +394,7 @@ class ChunkStore:
                     while not (self._can_take() or (self._touched and not self._committing)
                                or (self._closed and not self._queue)
                                or time.monotonic() >= self._next_beat):
-                        self._cv.wait(1.0)
+                        self._cv.wait(WRITER_POLL_S)
                     if self._closed and not self._queue:
                         touched, self._touched = self._touched, {}
                         break
