@@ -263,9 +263,10 @@ def test_closing_the_worker_stops_its_loads(tmp_path: Path, case: str) -> None:
         took = time.monotonic() - t
         hung.set()
         time.sleep(0.3)  # (reads already under way finish)
-        # at most the reads already asked for: the read-ahead, and one per I/O thread
-        assert len(reads) - before <= worker._read_ahead + cfg.io_threads + 1, (before, len(reads))
-        assert took < cfg.close_timeout_s + 0.5, took
+        # at most the reads already asked for (the read-ahead, one per I/O thread) and a few
+        # that began as the test counted (33-36 more before these changes)
+        assert len(reads) - before <= worker._read_ahead + cfg.io_threads + 4, (before, len(reads))
+        assert took < cfg.close_timeout_s + 2.0, took  # (a hung read held it for good)
         assert worker._loads == {}
 
 
@@ -303,8 +304,9 @@ def test_a_load_whose_request_was_aborted_stops_reading(tmp_path: Path) -> None:
             done |= got or set()
             time.sleep(0.01)
         assert "a" in done
-        # at most the reads already asked for: the read-ahead, and one per I/O thread
-        assert len(reads) - before <= worker._read_ahead + cfg.io_threads + 1, (before, len(reads))
+        # at most the reads already asked for (the read-ahead, one per I/O thread) and a few
+        # that began as the test counted (33-36 more before these changes)
+        assert len(reads) - before <= worker._read_ahead + cfg.io_threads + 4, (before, len(reads))
         assert worker.take_load_errors() == set()  # (not even the missing last chunk's blocks)
         assert worker._loads == {} and worker._arrived_slots._value == worker._arrived_max
         worker.close()
