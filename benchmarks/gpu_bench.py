@@ -97,21 +97,8 @@ def timed(fn, device: torch.device, repeat: int, until_compute: bool = False) ->
 
 
 def raw_copies(g: Geometry, device: torch.device, n: int, repeat: int) -> tuple[float, float]:
-    dev = torch.randn(n, g.chunk_bytes // g.dtype.itemsize, device=device).to(g.dtype)
-    host = torch.empty(n, dev.shape[1], dtype=g.dtype, pin_memory=device.type == "cuda")
-    host.zero_()
-    nb = device.type == "cuda"
-
-    def d2h() -> None:
-        for i in range(n):
-            host[i].copy_(dev[i], non_blocking=nb)
-
-    def h2d() -> None:
-        for i in range(n):
-            dev[i].copy_(host[i], non_blocking=nb)
-
-    total = n * g.chunk_bytes
-    return total / timed(d2h, device, repeat) / 1e9, total / timed(h2d, device, repeat) / 1e9
+    """The link's raw pinned rates (GB/s D2H, H2D): ``n`` chunks, one copy each, page-aligned."""
+    return raw_piece_copies(device, n * g.chunk_bytes, g.chunk_bytes, 0, repeat)
 
 
 _PAGE = 4096

@@ -95,7 +95,7 @@ def test_reserve_makes_every_slot_at_once_and_close_lets_them_go() -> None:
 @pytest.mark.parametrize("chunk", [32 << 20, 1 << 20, 8 << 10])
 def test_pinned_slots_come_in_power_of_two_allocations(count: int, chunk: int) -> None:
     """PyTorch's pinned allocator rounds each allocation up to a power of two: one arena of
-    1.25 GiB pinned 2 GiB. Pinned slots come from power-of-two allocations, each a page
+    1.25 GiB would pin 2 GiB (as its source reads). Pinned slots come from power-of-two allocations, each a page
     more than its slots, together wasting at most a slot and a page per allocation."""
     from kvtier.buffer_pool import arena_pieces
 
