@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -69,7 +70,9 @@ from kvtier.testing.worker_rig import (  # noqa: E402
 )
 
 TARGETS = {"overhead_prefill": 0.03, "overhead_decode": 0.03, "overhead_decode_graph": 0.03, "save_vs_d2h": 0.8,
-           "host_load_vs_h2d": 0.8, "cold_load_vs_disk": 0.9, "cold_load_async_vs_disk": 0.9,
+           "host_load_vs_h2d": 0.8,
+           # the same 0.8x, the copies timed on the device alone (the host's planning left out)
+           "save_device_vs_d2h": 0.8, "host_load_device_vs_h2d": 0.8, "cold_load_vs_disk": 0.9, "cold_load_async_vs_disk": 0.9,
            # the same 3 %, counted until only the compute stream is done (what the next step waits for)
            "next_step_prefill": 0.03, "next_step_decode": 0.03, "next_step_decode_graph": 0.03}
 
@@ -94,6 +97,45 @@ def timed(fn, device: torch.device, repeat: int, until_compute: bool = False) ->
             sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+_SLEEP_CYCLES_PER_S: list[float] = []
+
+
+def device_span(fn, device: torch.device, side: torch.cuda.Stream | None,  # noqa: ANN001
+                hold_s: float = 0.1) -> tuple[float, float]:
+    """``fn``'s copies timed on the device alone: the compute stream is held ``hold_s`` (a
+    device sleep) while the host runs ``fn``, which enqueues them behind it; the span runs
+    from the hold's end to the side stream's last copy, so the host's own time (planning, the
+    Python that enqueues each copy) counts only where it outlasts the copies it queued ahead.
+    Returns (device seconds, host seconds of ``fn``); on the CPU both are ``fn``'s wall time.
+    A host time over ``hold_s`` means the span counts some of it too (said on stderr)."""
+    if device.type != "cuda" or side is None:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+        return wall, wall
+    if not _SLEEP_CYCLES_PER_S:  # the sleep's clock, once
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(10**7)
+        b.record()
+        b.synchronize()
+        _SLEEP_CYCLES_PER_S.append(10**7 / (a.elapsed_time(b) / 1e3))
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(hold_s * _SLEEP_CYCLES_PER_S[0]))
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t0
+    end.record(side)
+    sync(device)
+    if host > hold_s:
+        print(f"device_span: the host took {host * 1e3:.0f} ms, over the {hold_s * 1e3:.0f} ms hold: "
+              "the device span counts some host time", file=sys.stderr, flush=True)
+    return start.elapsed_time(end) / 1e3, host
 
 
 def raw_copies(g: Geometry, device: torch.device, n: int, repeat: int) -> tuple[float, float]:
@@ -176,7 +218,8 @@ class Forward:
 
 def run_content(content: str, g: Geometry, device: torch.device, chunks: int, steps: int,
                 root: Path, forward_s: float, repeat: int, copy_bytes: int | None = None,
-                stage_bytes: int | None = None) -> dict[str, float | str]:
+                stage_bytes: int | None = None, pairs: int = 9,
+                trace: Path | None = None) -> dict[str, float | str]:
     from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
 
     per_chunk = g.chunk_tokens // g.block_size
@@ -199,6 +242,8 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
         for c in caches.values():
             c.copy_(torch.randn(c.shape, device=device).to(c.dtype))
         names = list(caches)
+        side = worker.copies.stream
+        traced: list[bool] = []  # whether the trace is taken (the measured pass's only)
         step_no = [0]
 
         def specs(n: int) -> list:
@@ -223,6 +268,15 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 best = min(best, time.perf_counter() - t0)
                 store.flush(120)
             out["save_gbs"] = chunks * g.chunk_bytes / best / 1e9
+            # the same step's copies on the device alone (the host enqueues them ahead)
+            dev_best, dev_host = float("inf"), float("inf")
+            for _ in range(steps):
+                s = specs(chunks)
+                d, h = device_span(lambda s=s: save_step(worker, caches, s), device, side)
+                dev_best, dev_host = min(dev_best, d), min(dev_host, h)
+                store.flush(120)
+            out["save_device_gbs"] = chunks * g.chunk_bytes / dev_best / 1e9
+            out["save_host_ms"] = dev_host * 1e3
 
             # loads from the host tier (the chunks just saved are there), into other blocks
             keys = [s.keys for s in last]
@@ -242,6 +296,9 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
 
             host_load = timed(load_all, device, repeat)
             out["host_load_gbs"] = chunks * g.chunk_bytes / host_load / 1e9
+            spans = [device_span(load_all, device, side) for _ in range(repeat)]
+            out["host_load_device_gbs"] = chunks * g.chunk_bytes / min(d for d, _ in spans) / 1e9
+            out["host_load_host_ms"] = min(h for _, h in spans) * 1e3
 
             # cold loads: host tier emptied, record files evicted from the page cache
             files = [p for p in (root / content / "files").rglob("*.kvt")]
@@ -287,21 +344,46 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 worker.get_finished(set())
                 hook_s[0] += time.perf_counter() - t0
 
-            plain = timed(lambda: step([]), device, repeat)
+            # Each saving step is timed right after a plain one and judged against it (the
+            # median of those pairs' ratios): the forward pass alone drifts more between
+            # passes (the GPU's clocks under a long matmul load: 37-44 ms on an H200) than
+            # the overhead measured, so a plain time taken once, before, is no baseline.
+            plains: list[float] = []
             for kind, n, hooks in (("prefill", chunks, True), ("decode", 1, True), ("decode_graph", 1, False)):
-                saving, host, next_step = float("inf"), float("inf"), float("inf")
-                for _ in range(repeat):
+                ratios, next_ratios, hosts = [], [], []
+                for _ in range(pairs):
+                    plain = timed(lambda: step([]), device, 1)
                     s = specs(n)
-                    saving = min(saving, timed(lambda s=s, h=hooks: step(s, h), device, 1))
-                    host = min(host, hook_s[0])
+                    ratios.append(timed(lambda s=s, h=hooks: step(s, h), device, 1) / plain)
+                    hosts.append(hook_s[0])
                     store.flush(120)
+                    plain_next = timed(lambda: step([]), device, 1)
                     s = specs(n)
-                    next_step = min(next_step, timed(lambda s=s, h=hooks: step(s, h), device, 1, until_compute=True))
+                    next_ratios.append(timed(lambda s=s, h=hooks: step(s, h), device, 1, until_compute=True)
+                                       / plain_next)
                     store.flush(120)
-                out[f"overhead_{kind}"] = saving / plain - 1
-                out[f"hooks_ms_{kind}"] = host * 1e3
-                out[f"next_step_{kind}"] = next_step / plain - 1
+                    plains += [plain, plain_next]
+                out[f"overhead_{kind}"] = statistics.median(ratios) - 1
+                out[f"hooks_ms_{kind}"] = statistics.median(hosts) * 1e3
+                out[f"next_step_{kind}"] = statistics.median(next_ratios) - 1
+            plain = statistics.median(plains)
             out["forward_ms"] = plain * 1e3
+            # the noise floor: how far the two plain passes of a pair differ (median)
+            out["forward_noise"] = statistics.median(abs(b / a - 1) for a, b in zip(plains[::2], plains[1::2], strict=True))
+            if trace is not None and not traced:  # one prefill step with saves, as the device ran it
+                traced.append(True)
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                try:
+                    s = specs(chunks)
+                    with profile(activities=acts) as prof:
+                        step(s)
+                        sync(device)
+                    prof.export_chrome_trace(str(trace))
+                except Exception as exc:  # (a profiler this machine lacks: the figures stand)
+                    print(f"[{content}] no trace: {exc}", file=sys.stderr, flush=True)
+                store.flush(120)
 
             def load_then_forward() -> None:
                 from kvtier.vllm.metadata import KVTierMetadata
@@ -330,8 +412,10 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                   + ", ".join(f"{k} {v:.3g}" for k, v in out.items() if isinstance(v, float)),
                   file=sys.stderr, flush=True)
 
+        traced.append(True)  # (no trace in the warm-up passes)
         timed_pass("warm-up")  # the pool grows to its working size (parallel loads: a pass or two)
         timed_pass("second warm-up")
+        traced.clear()
         before = counts()
         timed_pass("measured")
         out["allocations_when_warm"] = sum(a - b for a, b in zip(counts(), before, strict=True))
@@ -356,6 +440,9 @@ def main() -> None:
                          "to reach (MiB; 0: one layer per copy); several values: side by side "
                          "(default: the worker's own, 8 MiB on a GPU, one layer on the CPU)")
     ap.add_argument("--stage-mib", type=float, help="the worker's device stage (MiB; default its own)")
+    ap.add_argument("--pairs", type=int, default=9,
+                    help="plain and saving forward passes timed in pairs, per kind of step (the median ratio)")
+    ap.add_argument("--trace", help="folder for a profiler trace (Chrome JSON) of one prefill step with saves per row")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", help="work directory on the disk to measure (default: a temp dir)")
@@ -364,7 +451,7 @@ def main() -> None:
     ensure_metadata_base()
     device = torch.device(args.device)
     if args.smoke:
-        g, chunks, forward_s, args.steps, args.repeat = Geometry(), args.chunks or 2, 0.005, 2, 1
+        g, chunks, forward_s, args.steps, args.repeat, args.pairs = Geometry(), args.chunks or 2, 0.005, 2, 1, 1
     elif device.type == "cuda":
         g = Geometry(layers=32, kv_heads=8, head_dim=128, block_size=16, chunk_tokens=256,
                      num_blocks=512, dtype=torch.bfloat16)
@@ -386,9 +473,14 @@ def main() -> None:
         rows = []
         for c in args.contents:
             for mib in args.copy_mib:
+                trace = None
+                if args.trace:
+                    Path(args.trace).mkdir(parents=True, exist_ok=True)
+                    trace = Path(args.trace) / f"trace_{c}_{'default' if mib is None else f'{mib:g}'}.json"
                 rows.append(run_content(c, g, device, chunks, args.steps, root / "run", forward_s, args.repeat,
                                         None if mib is None else int(mib * 2**20),
-                                        None if args.stage_mib is None else int(args.stage_mib * 2**20)))
+                                        None if args.stage_mib is None else int(args.stage_mib * 2**20),
+                                        args.pairs, trace))
                 # each row's store goes once measured (a GPU geometry's rows write about 18 GiB each)
                 shutil.rmtree(root / "run", ignore_errors=True)
                 if args.json:  # (what is measured so far survives a later row's failure)
@@ -404,16 +496,20 @@ def main() -> None:
     print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)")
     print("raw copies by size and host offset (D2H / H2D GB/s; a pooled chunk starts a record header "
           "into its slot): " + "; ".join(f"{k}: {a:.2f} / {b:.2f}" for k, (a, b) in pieces.items()) + "\n")
-    print("| content (layers per copy; device stage) | save GB/s (vs D2H) | host-tier load GB/s (vs H2D) | cold load GB/s (vs disk read) "
+    print("| content (layers per copy; device stage) | save GB/s (vs D2H) | save on the device (vs D2H); host ms "
+          "| host-tier load GB/s (vs H2D) | host-tier load on the device (vs H2D); host ms | cold load GB/s (vs disk read) "
           "| cold load, asynchronous | cold load with direct_reads (O_DIRECT) | prefill overhead; host time in hooks "
           "| decode overhead; hooks "
           "| decode overhead, full CUDA graph | until the compute stream is done: prefill / decode / graph "
+          "| forward pass: two in a row differ by "
           "| synchronous load + forward (overlap) "
           "| buffers allocated when warm (pool slots / cap) | worker start (pool reserved) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['content']} ({r['layers_per_copy']}; {r['stage_mib']:.0f} MiB) | {r['save_gbs']:.2f} ({r['save_gbs'] / d2h:.2f}x) "
+              f"| {r['save_device_gbs']:.2f} ({r['save_device_gbs'] / d2h:.2f}x); {r['save_host_ms']:.1f} ms "
               f"| {r['host_load_gbs']:.2f} ({r['host_load_gbs'] / h2d:.2f}x) "
+              f"| {r['host_load_device_gbs']:.2f} ({r['host_load_device_gbs'] / h2d:.2f}x); {r['host_load_host_ms']:.1f} ms "
               f"| {r['cold_load_gbs']:.2f} ({r['cold_load_gbs'] / r['disk_read_gbs']:.2f}x of {r['disk_read_gbs']:.2f}) "
               f"| {r['cold_load_async_gbs']:.2f} ({r['cold_load_async_gbs'] / r['disk_read_gbs']:.2f}x) "
               f"| {r['cold_load_direct_gbs']:.2f} ({r['cold_load_direct_gbs'] / r['disk_read_gbs']:.2f}x); CPU-s/GB "
@@ -423,6 +519,7 @@ def main() -> None:
               f"| {100 * r['overhead_decode_graph']:+.1f}%; {r['hooks_ms_decode_graph']:.2f} ms "
               f"| {100 * r['next_step_prefill']:+.1f}% / {100 * r['next_step_decode']:+.1f}% "
               f"/ {100 * r['next_step_decode_graph']:+.1f}% "
+              f"| {100 * r['forward_noise']:.1f}% "
               f"| {r['sync_load_step_ms']:.1f} ms ({r['sync_load_overlap']:.2f}x) "
               f"| {r['allocations_when_warm']} ({r['pool_slots']} / {r['pool_cap_slots']}) "
               f"| {r['start_s']:.2f} s |")
@@ -430,7 +527,9 @@ def main() -> None:
         for r in rows:
             got = {"overhead_prefill": r["overhead_prefill"], "overhead_decode": r["overhead_decode"],
                    "overhead_decode_graph": r["overhead_decode_graph"],
-                   "save_vs_d2h": r["save_gbs"] / d2h, "host_load_vs_h2d": r["host_load_gbs"] / h2d,
+                   "save_vs_d2h": r["save_gbs"] / d2h, "save_device_vs_d2h": r["save_device_gbs"] / d2h,
+                   "host_load_vs_h2d": r["host_load_gbs"] / h2d,
+                   "host_load_device_vs_h2d": r["host_load_device_gbs"] / h2d,
                    "cold_load_vs_disk": r["cold_load_gbs"] / r["disk_read_gbs"],
                    "cold_load_async_vs_disk": r["cold_load_async_gbs"] / r["disk_read_gbs"],
                    "next_step_prefill": r["next_step_prefill"], "next_step_decode": r["next_step_decode"],

@@ -27,6 +27,11 @@ class CopyStream:
     def non_blocking(self) -> bool:
         return self.is_cuda
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The side stream the copies run on (None on the CPU): for timing them."""
+        return self._stream
+
     @contextlib.contextmanager
     def after_compute(self) -> Iterator[None]:
         """Run the enclosed copies after the work already queued on the compute stream."""
