@@ -327,12 +327,14 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
             fwd = Forward(g.layers, device, forward_s)
 
             hook_s = [0.0]  # host time inside kvtier's hooks, this step
+            step_s = [0.0]  # host time until the step's last call returned (all of it enqueued)
 
             def step(saves: list, hooks: bool = True) -> None:
                 from kvtier.vllm.metadata import KVTierMetadata
 
                 meta = KVTierMetadata(saves=saves)
                 hook_s[0] = 0.0
+                t_step = time.perf_counter()
                 for name in names:
                     fwd.layer()
                     if saves and hooks:
@@ -343,6 +345,7 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 worker.finish_saves(meta)
                 worker.get_finished(set())
                 hook_s[0] += time.perf_counter() - t0
+                step_s[0] = time.perf_counter() - t_step
 
             # Each saving step is timed right after a plain one and judged against it (the
             # median of those pairs' ratios): the forward pass alone drifts more between
@@ -350,12 +353,15 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
             # the overhead measured, so a plain time taken once, before, is no baseline.
             plains: list[float] = []
             for kind, n, hooks in (("prefill", chunks, True), ("decode", 1, True), ("decode_graph", 1, False)):
-                ratios, next_ratios, hosts = [], [], []
+                ratios, next_ratios, hosts, enqueued = [], [], [], []
                 for _ in range(pairs):
                     plain = timed(lambda: step([]), device, 1)
+                    plain_enqueued = step_s[0]
                     s = specs(n)
-                    ratios.append(timed(lambda s=s, h=hooks: step(s, h), device, 1) / plain)
+                    saving = timed(lambda s=s, h=hooks: step(s, h), device, 1)
+                    ratios.append(saving / plain)
                     hosts.append(hook_s[0])
+                    enqueued.append((step_s[0] / saving, plain_enqueued / plain))
                     store.flush(120)
                     plain_next = timed(lambda: step([]), device, 1)
                     s = specs(n)
@@ -365,21 +371,29 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                     plains += [plain, plain_next]
                 out[f"overhead_{kind}"] = statistics.median(ratios) - 1
                 out[f"hooks_ms_{kind}"] = statistics.median(hosts) * 1e3
+                # how much of the step the host took to enqueue it (near 1: the host, not the
+                # device, set the pace), with saves and without
+                out[f"enqueued_{kind}"] = statistics.median(e for e, _ in enqueued)
+                out[f"enqueued_plain_{kind}"] = statistics.median(p for _, p in enqueued)
                 out[f"next_step_{kind}"] = statistics.median(next_ratios) - 1
             plain = statistics.median(plains)
             out["forward_ms"] = plain * 1e3
             # the noise floor: how far the two plain passes of a pair differ (median)
             out["forward_noise"] = statistics.median(abs(b / a - 1) for a, b in zip(plains[::2], plains[1::2], strict=True))
-            if trace is not None and not traced:  # one prefill step with saves, as the device ran it
+            if trace is not None and not traced:  # one step of each kind, as the device ran it
                 traced.append(True)
-                from torch.profiler import ProfilerActivity, profile
+                from torch.profiler import ProfilerActivity, profile, record_function
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 try:
-                    s = specs(chunks)
                     with profile(activities=acts) as prof:
-                        step(s)
-                        sync(device)
+                        for kind, n, hooks in (("prefill", chunks, True), ("decode", 1, True),
+                                               ("decode_graph", 1, False)):
+                            s = specs(n)
+                            with record_function(f"step_{kind}"):
+                                step(s, hooks)
+                                sync(device)
+                            store.flush(120)
                     prof.export_chrome_trace(str(trace))
                 except Exception as exc:  # (a profiler this machine lacks: the figures stand)
                     print(f"[{content}] no trace: {exc}", file=sys.stderr, flush=True)
@@ -502,9 +516,10 @@ def main() -> None:
           "| decode overhead; hooks "
           "| decode overhead, full CUDA graph | until the compute stream is done: prefill / decode / graph "
           "| forward pass: two in a row differ by "
+          "| host's share of the step until all enqueued: prefill / decode / graph (no saves) "
           "| synchronous load + forward (overlap) "
           "| buffers allocated when warm (pool slots / cap) | worker start (pool reserved) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['content']} ({r['layers_per_copy']}; {r['stage_mib']:.0f} MiB) | {r['save_gbs']:.2f} ({r['save_gbs'] / d2h:.2f}x) "
               f"| {r['save_device_gbs']:.2f} ({r['save_device_gbs'] / d2h:.2f}x); {r['save_host_ms']:.1f} ms "
@@ -520,6 +535,8 @@ def main() -> None:
               f"| {100 * r['next_step_prefill']:+.1f}% / {100 * r['next_step_decode']:+.1f}% "
               f"/ {100 * r['next_step_decode_graph']:+.1f}% "
               f"| {100 * r['forward_noise']:.1f}% "
+              f"| {r['enqueued_prefill']:.2f} / {r['enqueued_decode']:.2f} / {r['enqueued_decode_graph']:.2f} "
+              f"({r['enqueued_plain_prefill']:.2f}) "
               f"| {r['sync_load_step_ms']:.1f} ms ({r['sync_load_overlap']:.2f}x) "
               f"| {r['allocations_when_warm']} ({r['pool_slots']} / {r['pool_cap_slots']}) "
               f"| {r['start_s']:.2f} s |")

@@ -10,6 +10,7 @@ collide with another tenant's prefix.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import json
 import math
@@ -97,9 +98,10 @@ class Namespace:
         d["extra"] = dict(self.extra)
         return d
 
-    @property
+    @functools.cached_property
     def id(self) -> bytes:
-        """16-byte identifier: SHA-256 of the canonical JSON description."""
+        """16-byte identifier: SHA-256 of the canonical JSON description (computed once: the
+        namespace is frozen, and a worker asks for it every step)."""
         blob = json.dumps(self.describe(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()[:NAMESPACE_ID_BYTES]
 

@@ -74,12 +74,20 @@ class _Staged:
 
 @dataclass
 class _Batch:
-    """A batch of chunks to copy: its plan, each chunk's host tensor split into its groups
-    of layers (``pieces[chunk][group]``), and (made once per batch and group size) each
-    chunk's region of the stage."""
+    """A batch of chunks to copy: its plan, each chunk's host tensor (layers first), where
+    each group of layers starts in it and how many it holds (``spans``), and (made once per
+    batch and group size) each chunk's region of the stage."""
     plan: RowPlan
-    pieces: list[tuple[torch.Tensor, ...]]
+    chunks: list[torch.Tensor]
+    spans: list[tuple[int, int]]
     _regions: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def piece(self, i: int, k: int) -> torch.Tensor:
+        """Chunk ``i``'s group ``k`` of layers. Made when its copy is enqueued, not all when
+        the step is planned: a save plans in the first layer's hook, while the device has
+        only that layer's work queued, so what the plan costs the host can idle the device."""
+        start, size = self.spans[k]
+        return self.chunks[i].narrow(0, start, size)
 
     def regions(self, rows: BlockRows, stage: torch.Tensor, count: int) -> list[torch.Tensor]:
         if count not in self._regions:
@@ -157,6 +165,8 @@ class WorkerSide:
         self._groups = layer_groups(layers, self.per_copy)
         # a forward pass that waits for a load layer by layer gets its first layer soonest
         self._sync_groups = layer_groups(layers, self.per_copy, first=1)
+        self._spans = [(g.start, len(g)) for g in self._groups]  # (where each starts in a chunk)
+        self._sync_spans = [(g.start, len(g)) for g in self._sync_groups]
         # the stage: BATCH_BYTES of a batch's rows in each layer slot and in the scratch, and at
         # least every group of a whole chunk at once (see _gather_late)
         per_row = self.per_copy + self.rows.scratch(self.per_copy)
@@ -325,9 +335,8 @@ class WorkerSide:
         if self._staged_index is not None:  # (a plan that failed part way: given back)
             self._save_index.hold(self._staged_index, self.copies.record())
         self._staged_index = self._save_index.take()
-        sizes = [len(g) for g in self._groups]
         self._save_batches = [
-            _Batch(plan, [copying[i].buf.split(sizes) for i in batch])  # type: ignore[union-attr]
+            _Batch(plan, [copying[i].buf for i in batch], self._spans)  # type: ignore[misc]
             for plan, batch in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying])]
         ids = meta.namespace_ids
         self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
@@ -356,8 +365,8 @@ class WorkerSide:
     def _to_buffers(self, k: int, batch: _Batch, regions: list[torch.Tensor]) -> None:
         """A batch's gathered group ``k`` of layers from the stage (``regions``, per chunk)
         into each chunk's buffer."""
-        for region, pieces, blocks in zip(regions, batch.pieces, batch.plan.blocks, strict=True):
-            self.rows.to_chunk(region, blocks, pieces[k], self.copies.non_blocking)
+        for i, (region, blocks) in enumerate(zip(regions, batch.plan.blocks, strict=True)):
+            self.rows.to_chunk(region, blocks, batch.piece(i, k), self.copies.non_blocking)
 
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
         """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
@@ -634,25 +643,24 @@ class WorkerSide:
             index = self._load_index.take()
             with self.copies.after_compute():
                 groups = self._sync_groups if layer_events else self._groups
-                sizes = [len(g) for g in groups]
-                # per batch: its plan, and each chunk's groups of layers (the tokens its
-                # blocks take, past the skipped ones; views made once, not per group)
+                spans = self._sync_spans if layer_events else self._spans
+                # per batch: its plan, and each chunk's tokens its blocks take, past the
+                # skipped ones
                 batches = []
                 for plan, batch in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
-                    pieces = []
+                    tokens = []
                     for i, blocks in zip(batch, plan.blocks, strict=True):
                         chunk, data = loaded[i][1]
-                        tokens = data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size)
-                        pieces.append(tokens.split(sizes))
-                    batches.append(_Batch(plan, pieces))
+                        tokens.append(data.narrow(2, chunk.skip_blocks * self.block_size, blocks * self.block_size))
+                    batches.append(_Batch(plan, tokens, spans))
                 non_blocking, stage = self.copies.non_blocking, self._stage
                 # a group of layers at a time: one copy per chunk into the stage, then one
                 # scatter per layer; a layer's event follows its last batch's scatter
                 for k, group in enumerate(groups):
                     for b, batch in enumerate(batches):
                         regions = batch.regions(self.rows, stage, len(group))
-                        for region, pieces, blocks in zip(regions, batch.pieces, batch.plan.blocks, strict=True):
-                            self.rows.from_chunk(pieces[k], blocks, region, non_blocking)
+                        for i, (region, blocks) in enumerate(zip(regions, batch.plan.blocks, strict=True)):
+                            self.rows.from_chunk(batch.piece(i, k), blocks, region, non_blocking)
                         for slot, li in enumerate(group):
                             BlockRows.scatter(self.tables[li], batch.plan, stage, slot)
                             if layer_events and b == len(batches) - 1:
