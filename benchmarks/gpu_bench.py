@@ -138,6 +138,41 @@ def device_span(fn, device: torch.device, side: torch.cuda.Stream | None,  # noq
     return start.elapsed_time(end) / 1e3, host
 
 
+def trace_costs(path: Path, baseline: str = "plain") -> dict[str, float]:
+    """What saving cost the device in a profiler trace of one step of each kind (ranges
+    ``step_<kind>``, see ``run_content``), read from the device's own timeline, so that the
+    GPU's clocks, which drift by more than the overhead, do not enter: per kind, the idle
+    time between kernels on the compute stream beyond the ``baseline`` step's (the device
+    waiting for the host or for the side stream) and how long the side stream ran on after
+    the compute stream's last kernel (copies to host memory the step's end waits for, the
+    next step not). Milliseconds; the profiler slows the host, so a gap where the device
+    waited for the host reads high."""
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    ranges = sorted((e["ts"], e["name"].removeprefix("step_")) for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith("step_"))
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gaps, tails = {}, {}
+    for i, (start, kind) in enumerate(ranges):
+        end = ranges[i + 1][0] if i + 1 < len(ranges) else float("inf")
+        streams: dict[object, list[dict]] = {}
+        for e in device:
+            if start <= e["ts"] < end:
+                streams.setdefault(e["args"].get("stream"), []).append(e)
+        if not streams:
+            continue
+        compute = max(streams, key=lambda k: sum(e["dur"] for e in streams[k] if e["cat"] == "kernel"))
+        ce = sorted(streams[compute], key=lambda e: e["ts"])
+        gaps[kind] = sum(max(0.0, b["ts"] - a["ts"] - a["dur"]) for a, b in zip(ce, ce[1:], strict=False)) / 1e3
+        side_end = max((e["ts"] + e["dur"] for k, es in streams.items() if k != compute for e in es), default=None)
+        tails[kind] = 0.0 if side_end is None else max(0.0, side_end - ce[-1]["ts"] - ce[-1]["dur"]) / 1e3
+    out = {}
+    for kind in gaps:
+        if kind != baseline and baseline in gaps:
+            out[f"trace_gap_ms_{kind}"] = gaps[kind] - gaps[baseline]
+            out[f"trace_tail_ms_{kind}"] = tails[kind]
+    return out
+
+
 def raw_copies(g: Geometry, device: torch.device, n: int, repeat: int) -> tuple[float, float]:
     """The link's raw pinned rates (GB/s D2H, H2D): ``n`` chunks, one copy each, page-aligned."""
     return raw_piece_copies(device, n * g.chunk_bytes, g.chunk_bytes, 0, repeat)
@@ -347,28 +382,41 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 hook_s[0] += time.perf_counter() - t0
                 step_s[0] = time.perf_counter() - t_step
 
-            # Each saving step is timed right after a plain one and judged against it (the
-            # median of those pairs' ratios): the forward pass alone drifts more between
-            # passes (the GPU's clocks under a long matmul load: 37-44 ms on an H200) than
-            # the overhead measured, so a plain time taken once, before, is no baseline.
+            # Saving and plain steps are timed in pairs, in turn first and second, each after
+            # the same history (the writer idle, then an untimed plain forward pass, so the
+            # GPU runs at its loaded clocks), and a kind's overhead is the median of the pairs'
+            # ratios. The GPU's clocks drift more than the overhead measured: a plain time
+            # taken once is no baseline, and a pair always timed plain-then-saving charged the
+            # saving step with the clocks' drop after the idle flush before the plain one (an
+            # H200 trace showed no device cost for a decode step's saves, while such pairs
+            # said +6%).
+            def settled(fn, until_compute: bool = False) -> float:  # noqa: ANN001
+                store.flush(120)
+                step([])
+                return timed(fn, device, 1, until_compute=until_compute)
+
             plains: list[float] = []
             for kind, n, hooks in (("prefill", chunks, True), ("decode", 1, True), ("decode_graph", 1, False)):
                 ratios, next_ratios, hosts, enqueued = [], [], [], []
-                for _ in range(pairs):
-                    plain = timed(lambda: step([]), device, 1)
-                    plain_enqueued = step_s[0]
-                    s = specs(n)
-                    saving = timed(lambda s=s, h=hooks: step(s, h), device, 1)
-                    ratios.append(saving / plain)
-                    hosts.append(hook_s[0])
-                    enqueued.append((step_s[0] / saving, plain_enqueued / plain))
-                    store.flush(120)
-                    plain_next = timed(lambda: step([]), device, 1)
-                    s = specs(n)
-                    next_ratios.append(timed(lambda s=s, h=hooks: step(s, h), device, 1, until_compute=True)
-                                       / plain_next)
-                    store.flush(120)
-                    plains += [plain, plain_next]
+                for i in range(pairs):
+                    for until_compute, into in ((False, ratios), (True, next_ratios)):
+                        s = specs(n)
+                        timings = {}
+                        for which in (("plain", "saving") if i % 2 == 0 else ("saving", "plain")):
+                            if which == "plain":
+                                timings["plain"] = settled(lambda: step([]), until_compute)
+                                timings["plain_enqueued"] = step_s[0]
+                            else:
+                                timings["saving"] = settled(lambda s=s, h=hooks: step(s, h), until_compute)
+                                timings["saving_enqueued"] = step_s[0]
+                                timings["hooks"] = hook_s[0]
+                        into.append(timings["saving"] / timings["plain"])
+                        plains.append(timings["plain"])
+                        if not until_compute:
+                            hosts.append(timings["hooks"])
+                            enqueued.append((timings["saving_enqueued"] / timings["saving"],
+                                             timings["plain_enqueued"] / timings["plain"]))
+                store.flush(120)
                 out[f"overhead_{kind}"] = statistics.median(ratios) - 1
                 out[f"hooks_ms_{kind}"] = statistics.median(hosts) * 1e3
                 # how much of the step the host took to enqueue it (near 1: the host, not the
@@ -378,7 +426,7 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 out[f"next_step_{kind}"] = statistics.median(next_ratios) - 1
             plain = statistics.median(plains)
             out["forward_ms"] = plain * 1e3
-            # the noise floor: how far the two plain passes of a pair differ (median)
+            # the noise floor: how far two plain passes timed alike differ (median)
             out["forward_noise"] = statistics.median(abs(b / a - 1) for a, b in zip(plains[::2], plains[1::2], strict=True))
             if trace is not None and not traced:  # one step of each kind, as the device ran it
                 traced.append(True)
@@ -387,14 +435,18 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 try:
                     with profile(activities=acts) as prof:
-                        for kind, n, hooks in (("prefill", chunks, True), ("decode", 1, True),
+                        for kind, n, hooks in (("plain", 0, True), ("prefill", chunks, True), ("decode", 1, True),
                                                ("decode_graph", 1, False)):
-                            s = specs(n)
+                            s = specs(n) if n else []
+                            store.flush(120)
+                            step([])
+                            sync(device)
                             with record_function(f"step_{kind}"):
                                 step(s, hooks)
                                 sync(device)
-                            store.flush(120)
                     prof.export_chrome_trace(str(trace))
+                    if device.type == "cuda":
+                        out.update(trace_costs(trace))
                 except Exception as exc:  # (a profiler this machine lacks: the figures stand)
                     print(f"[{content}] no trace: {exc}", file=sys.stderr, flush=True)
                 store.flush(120)
@@ -540,6 +592,13 @@ def main() -> None:
               f"| {r['sync_load_step_ms']:.1f} ms ({r['sync_load_overlap']:.2f}x) "
               f"| {r['allocations_when_warm']} ({r['pool_slots']} / {r['pool_cap_slots']}) "
               f"| {r['start_s']:.2f} s |")
+    for r in rows:
+        if "trace_gap_ms_prefill" in r:
+            print(f"trace ({r['content']}, {r['layers_per_copy']} layers per copy), the device's own timeline: "
+                  + "; ".join(f"{kind} {r[f'trace_gap_ms_{kind}']:+.2f} ms idle on the compute stream, "
+                              f"side stream on {r[f'trace_tail_ms_{kind}']:.2f} ms after it "
+                              f"({100 * (r[f'trace_gap_ms_{kind}'] + r[f'trace_tail_ms_{kind}']) / r['forward_ms']:+.1f}%)"
+                              for kind in ("prefill", "decode", "decode_graph") if f"trace_gap_ms_{kind}" in r))
     if device.type == "cuda":
         for r in rows:
             got = {"overhead_prefill": r["overhead_prefill"], "overhead_decode": r["overhead_decode"],
