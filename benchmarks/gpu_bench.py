@@ -143,15 +143,16 @@ def trace_costs(path: Path, baseline: str = "plain") -> dict[str, float]:
     ``step_<kind>``, see ``run_content``), read from the device's own timeline, so that the
     GPU's clocks, which drift by more than the overhead, do not enter: per kind, the idle
     time between kernels on the compute stream beyond the ``baseline`` step's (the device
-    waiting for the host or for the side stream) and how long the side stream ran on after
-    the compute stream's last kernel (copies to host memory the step's end waits for, the
-    next step not). Milliseconds; the profiler slows the host, so a gap where the device
+    waiting for the host or for the side stream), how long the side stream ran on after the
+    compute stream's last kernel (copies to host memory the step's end waits for, the next
+    step not), and when its last kernel (the step's last gathers, which the next step's
+    compute does wait for) ended after it. Milliseconds; the profiler slows the host, so a gap where the device
     waited for the host reads high."""
     events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
     ranges = sorted((e["ts"], e["name"].removeprefix("step_")) for e in events
                     if e.get("cat") == "user_annotation" and e.get("name", "").startswith("step_"))
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    gaps, tails = {}, {}
+    gaps, tails, gathers = {}, {}, {}
     for i, (start, kind) in enumerate(ranges):
         end = ranges[i + 1][0] if i + 1 < len(ranges) else float("inf")
         streams: dict[object, list[dict]] = {}
@@ -163,13 +164,16 @@ def trace_costs(path: Path, baseline: str = "plain") -> dict[str, float]:
         compute = max(streams, key=lambda k: sum(e["dur"] for e in streams[k] if e["cat"] == "kernel"))
         ce = sorted(streams[compute], key=lambda e: e["ts"])
         gaps[kind] = sum(max(0.0, b["ts"] - a["ts"] - a["dur"]) for a, b in zip(ce, ce[1:], strict=False)) / 1e3
-        side_end = max((e["ts"] + e["dur"] for k, es in streams.items() if k != compute for e in es), default=None)
-        tails[kind] = 0.0 if side_end is None else max(0.0, side_end - ce[-1]["ts"] - ce[-1]["dur"]) / 1e3
+        compute_end = ce[-1]["ts"] + ce[-1]["dur"]
+        side = [e for k, es in streams.items() if k != compute for e in es]
+        tails[kind] = max([0.0] + [(e["ts"] + e["dur"] - compute_end) / 1e3 for e in side])
+        gathers[kind] = max([0.0] + [(e["ts"] + e["dur"] - compute_end) / 1e3 for e in side if e["cat"] == "kernel"])
     out = {}
     for kind in gaps:
         if kind != baseline and baseline in gaps:
             out[f"trace_gap_ms_{kind}"] = gaps[kind] - gaps[baseline]
             out[f"trace_tail_ms_{kind}"] = tails[kind]
+            out[f"trace_gathers_ms_{kind}"] = gathers[kind]
     return out
 
 
@@ -253,6 +257,7 @@ class Forward:
 
 def run_content(content: str, g: Geometry, device: torch.device, chunks: int, steps: int,
                 root: Path, forward_s: float, repeat: int, copy_bytes: int | None = None,
+                save_copy_bytes: int = 0,
                 stage_bytes: int | None = None, pairs: int = 9,
                 trace: Path | None = None) -> dict[str, float | str]:
     from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
@@ -260,12 +265,12 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
     per_chunk = g.chunk_tokens // g.block_size
     need = chunks * per_chunk
     g = Geometry(**{**g.__dict__, "num_blocks": max(g.num_blocks, 2 * need)})
-    root = root / f"{content}-{copy_bytes}"  # (a store of its own per row)
+    root = root / f"{content}-{copy_bytes}-{save_copy_bytes}"  # (a store of its own per row)
     cfg = CacheConfig(path=root / content, backend="files", chunk_tokens=g.chunk_tokens,
                       host_bytes=2 * chunks * g.chunk_bytes, write_queue_bytes=2 * chunks * g.chunk_bytes,
                       disk_bytes=64 * chunks * g.chunk_bytes, commit_bytes=chunks * g.chunk_bytes)
     out: dict[str, float | str] = {"content": content}
-    args: dict[str, object] = {"copy_bytes": copy_bytes}
+    args: dict[str, object] = {"copy_bytes": copy_bytes, "save_copy_bytes": save_copy_bytes}
     if stage_bytes is not None:
         args["stage_bytes"] = stage_bytes
     with ChunkStore(cfg) as store:
@@ -273,6 +278,7 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
         worker, caches = make_worker(store, g, content, device, **args)  # (reserves the pool: timed)
         out["start_s"] = time.perf_counter() - t_start
         out["layers_per_copy"] = worker.per_copy
+        out["save_layers_per_copy"] = worker.save_per_copy
         out["stage_mib"] = worker._stage.numel() * worker._stage.element_size() / 2**20
         for c in caches.values():
             c.copy_(torch.randn(c.shape, device=device).to(c.dtype))
@@ -502,9 +508,12 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int,
                     help="tokens per chunk (default 256): each layer's copy of a chunk is this many tokens' KV")
     ap.add_argument("--copy-mib", nargs="+", type=float, default=[None],
-                    help="bytes per copy between device and host that the worker groups a chunk's layers "
-                         "to reach (MiB; 0: one layer per copy); several values: side by side "
+                    help="bytes per copy between host and device that the worker groups a chunk's layers "
+                         "to reach for loads (MiB; 0: one layer per copy); several values: side by side "
                          "(default: the worker's own, 8 MiB on a GPU, one layer on the CPU)")
+    ap.add_argument("--save-copy-mib", nargs="+", type=float, default=[0.0],
+                    help="the same for saves (default 0: one layer per copy, the worker's own); several "
+                         "values: side by side, with each --copy-mib")
     ap.add_argument("--stage-mib", type=float, help="the worker's device stage (MiB; default its own)")
     ap.add_argument("--pairs", type=int, default=9,
                     help="plain and saving forward passes timed in pairs, per kind of step (the median ratio)")
@@ -538,13 +547,13 @@ def main() -> None:
                   for mib in (1, 8) for off in (0, lead)}
         rows = []
         for c in args.contents:
-            for mib in args.copy_mib:
+            for mib, save_mib in [(m, sm) for m in args.copy_mib for sm in args.save_copy_mib]:
                 trace = None
                 if args.trace:
                     Path(args.trace).mkdir(parents=True, exist_ok=True)
-                    trace = Path(args.trace) / f"trace_{c}_{'default' if mib is None else f'{mib:g}'}.json"
+                    trace = Path(args.trace) / f"trace_{c}_{'default' if mib is None else f'{mib:g}'}_{save_mib:g}.json"
                 rows.append(run_content(c, g, device, chunks, args.steps, root / "run", forward_s, args.repeat,
-                                        None if mib is None else int(mib * 2**20),
+                                        None if mib is None else int(mib * 2**20), int(save_mib * 2**20),
                                         None if args.stage_mib is None else int(args.stage_mib * 2**20),
                                         args.pairs, trace))
                 # each row's store goes once measured (a GPU geometry's rows write about 18 GiB each)
@@ -562,7 +571,7 @@ def main() -> None:
     print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)")
     print("raw copies by size and host offset (D2H / H2D GB/s; a pooled chunk starts a record header "
           "into its slot): " + "; ".join(f"{k}: {a:.2f} / {b:.2f}" for k, (a, b) in pieces.items()) + "\n")
-    print("| content (layers per copy; device stage) | save GB/s (vs D2H) | save on the device (vs D2H); host ms "
+    print("| content (layers per copy: loads, saves; device stage) | save GB/s (vs D2H) | save on the device (vs D2H); host ms "
           "| host-tier load GB/s (vs H2D) | host-tier load on the device (vs H2D); host ms | cold load GB/s (vs disk read) "
           "| cold load, asynchronous | cold load with direct_reads (O_DIRECT) | prefill overhead; host time in hooks "
           "| decode overhead; hooks "
@@ -573,7 +582,7 @@ def main() -> None:
           "| buffers allocated when warm (pool slots / cap) | worker start (pool reserved) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['content']} ({r['layers_per_copy']}; {r['stage_mib']:.0f} MiB) | {r['save_gbs']:.2f} ({r['save_gbs'] / d2h:.2f}x) "
+        print(f"| {r['content']} ({r['layers_per_copy']}, {r['save_layers_per_copy']}; {r['stage_mib']:.0f} MiB) | {r['save_gbs']:.2f} ({r['save_gbs'] / d2h:.2f}x) "
               f"| {r['save_device_gbs']:.2f} ({r['save_device_gbs'] / d2h:.2f}x); {r['save_host_ms']:.1f} ms "
               f"| {r['host_load_gbs']:.2f} ({r['host_load_gbs'] / h2d:.2f}x) "
               f"| {r['host_load_device_gbs']:.2f} ({r['host_load_device_gbs'] / h2d:.2f}x); {r['host_load_host_ms']:.1f} ms "
@@ -594,10 +603,13 @@ def main() -> None:
               f"| {r['start_s']:.2f} s |")
     for r in rows:
         if "trace_gap_ms_prefill" in r:
-            print(f"trace ({r['content']}, {r['layers_per_copy']} layers per copy), the device's own timeline: "
+            print(f"trace ({r['content']}, layers per copy: loads {r['layers_per_copy']}, saves "
+                  f"{r['save_layers_per_copy']}), the device's own timeline: "
                   + "; ".join(f"{kind} {r[f'trace_gap_ms_{kind}']:+.2f} ms idle on the compute stream, "
-                              f"side stream on {r[f'trace_tail_ms_{kind}']:.2f} ms after it "
-                              f"({100 * (r[f'trace_gap_ms_{kind}'] + r[f'trace_tail_ms_{kind}']) / r['forward_ms']:+.1f}%)"
+                              f"last gathers {r[f'trace_gathers_ms_{kind}']:.2f} ms and copies "
+                              f"{r[f'trace_tail_ms_{kind}']:.2f} ms after it (next step "
+                              f"{100 * (r[f'trace_gap_ms_{kind}'] + r[f'trace_gathers_ms_{kind}']) / r['forward_ms']:+.1f}%, "
+                              f"all {100 * (r[f'trace_gap_ms_{kind}'] + r[f'trace_tail_ms_{kind}']) / r['forward_ms']:+.1f}%)"
                               for kind in ("prefill", "decode", "decode_graph") if f"trace_gap_ms_{kind}" in r))
     if device.type == "cuda":
         for r in rows:
@@ -613,7 +625,8 @@ def main() -> None:
             verdict = ", ".join(
                 f"{k} {'met' if (v <= TARGETS[k] if k.startswith(('overhead', 'next_step')) else v >= TARGETS[k]) else 'MISSED'}"
                 for k, v in got.items())
-            print(f"targets ({r['content']}, {r['layers_per_copy']} layers per copy): {verdict}")
+            print(f"targets ({r['content']}, layers per copy: loads {r['layers_per_copy']}, saves "
+                  f"{r['save_layers_per_copy']}): {verdict}")
     else:
         print("\nCPU run: the targets of issue 7 are GPU targets; these figures check the code path only.")
     if args.json:

@@ -246,8 +246,10 @@ def long_load_from_disk(store, worker, caches: dict[str, torch.Tensor], g: Geome
             "unpooled_loads": store.counters.snapshot()["unpooled_loads"] - before, **idle}
 
 
-def grouped_round_trip(store, g: Geometry, content: str, device: str | torch.device) -> dict[str, object]:  # noqa: ANN001
-    """The worker with layers copied two at a time (``copy_bytes`` two layers of a chunk) and
+def grouped_round_trip(store, g: Geometry, content: str, device: str | torch.device,  # noqa: ANN001
+                       saves_grouped: bool = True) -> dict[str, object]:
+    """The worker with layers copied two at a time (``copy_bytes`` two layers of a chunk;
+    saves too with ``saves_grouped``, else one layer at a time, a GPU's default) and
     the smallest stage (every group of one chunk: with ``g.layers`` 5, three chunks per
     batch), over a step of four full chunks and a partial one (two batches) whose layer hooks
     come in reverse order, each layer's KV written just before its hook as a forward pass
@@ -260,8 +262,11 @@ def grouped_round_trip(store, g: Geometry, content: str, device: str | torch.dev
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
     per = g.chunk_tokens // g.block_size
-    worker, caches = make_worker(store, g, content, device, stage_bytes=0, copy_bytes=2 * g.chunk_bytes // g.layers)
-    out: dict[str, object] = {"per_copy": worker.per_copy, "groups": [len(r) for r in worker._groups],
+    two = 2 * g.chunk_bytes // g.layers
+    worker, caches = make_worker(store, g, content, device, stage_bytes=0, copy_bytes=two,
+                                 save_copy_bytes=two if saves_grouped else 0)
+    out: dict[str, object] = {"per_copy": worker.per_copy, "save_per_copy": worker.save_per_copy,
+                              "groups": [len(r) for r in worker._groups],
                               "sync_groups": [len(r) for r in worker._sync_groups],
                               "stage_rows": worker._stage.shape[0], "rows_per_chunk": worker.rows.rows_per_chunk(per)}
     gen = torch.Generator().manual_seed(1)

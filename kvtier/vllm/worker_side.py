@@ -1,10 +1,11 @@
 """Worker side: copies KV between vLLM's paged blocks and kvtier chunks.
 
-Saves: once ``save_kv_layer`` has run for every layer of a group (``per_copy`` layers; one on
-the CPU), each layer's blocks of every chunk being saved are gathered into a device stage
-with one or two indexing ops, then each chunk's layers of the group go into its pooled host
-buffer in one copy (canonical layout; see ``kvtier.vllm.block_rows``), on the side stream,
-behind the layers' compute;
+Saves: once ``save_kv_layer`` has run for a layer (for every layer of a group where
+``save_copy_bytes`` groups them; by default one layer at a time, on every device), that
+layer's blocks of every chunk being saved are gathered into a device stage with one or two
+indexing ops, then each chunk's piece goes into its pooled host buffer in one copy
+(canonical layout; see ``kvtier.vllm.block_rows``), on the side stream, behind the layer's
+compute;
 ``wait_for_save`` gathers the layers whose hooks did not run (a CUDA graph replays the
 forward without them), has the compute stream wait for the gathers on the device (the blocks
 may be reused next step) and hands the chunks to the write-behind store with the event the
@@ -128,7 +129,7 @@ class WorkerSide:
                  kv_caches: dict[str, torch.Tensor], content: Content, block_size: int,
                  any_rank: Callable[[bool], bool] | None = None, save_wait_s: float = 0.0,
                  unsafe_save_steps: int = UNSAFE_SAVE_STEPS, stage_bytes: int | None = None,
-                 copy_bytes: int | None = None, layer_hooks: bool = True) -> None:
+                 copy_bytes: int | None = None, layer_hooks: bool = True, save_copy_bytes: int = 0) -> None:
         self.store = store
         self.unsafe_save_steps = unsafe_save_steps  # 1 where vLLM schedules synchronously
         # offline producers (warm-up) only: how long a step may wait for the writer to make
@@ -155,10 +156,11 @@ class WorkerSide:
         row_bytes = math.prod(row_shape) * self.dtype.itemsize
         chunk_rows = self.rows.rows_per_chunk(-(-namespace.chunk_tokens // block_size))
         layers = len(self.views)
-        # On a GPU every copy between device and host memory has a fixed cost: a chunk's
-        # layers go several at a time (COPY_BYTES). On the CPU that copy is a memcpy with no
-        # such cost, and the pass through the stage's scratch that grouping needs (an
-        # index_copy_, about 4x slower there than a gather) would: one layer per copy.
+        # Loads: on a GPU every copy between device and host memory has a fixed cost, so a
+        # chunk's layers go several at a time (COPY_BYTES: host-tier loads ran at 0.84x of
+        # the link on an H200 against 0.77x one layer at a time). On the CPU that copy is a
+        # memcpy with no such cost, and the pass through the stage's scratch that grouping
+        # needs (an index_copy_, about 4x slower there than a gather) would: one layer per copy.
         if copy_bytes is None:
             copy_bytes = COPY_BYTES if self.copies.is_cuda else 0
         self.per_copy = self.rows.layers_per_copy(chunk_rows * row_bytes, layers, copy_bytes)
@@ -167,12 +169,23 @@ class WorkerSide:
         self._sync_groups = layer_groups(layers, self.per_copy, first=1)
         self._spans = [(g.start, len(g)) for g in self._groups]  # (where each starts in a chunk)
         self._sync_spans = [(g.start, len(g)) for g in self._sync_groups]
+        # Saves: one layer per copy by default, also on a GPU. A layer's copies then follow
+        # its compute, and the step's last gathers (what the next step waits for) queue
+        # behind one layer's copies, not a group's: on an H200, for a 16-chunk prefill step,
+        # the last gathers ended 0.04 ms after the forward pass against 1.9 ms with 8 layers
+        # per copy, at the same rate on the device (0.82x of the link against 0.81x).
+        self.save_per_copy = self.rows.layers_per_copy(chunk_rows * row_bytes, layers, save_copy_bytes)
+        self._save_groups = layer_groups(layers, self.save_per_copy)
+        self._save_spans = [(g.start, len(g)) for g in self._save_groups]
         # the stage: BATCH_BYTES of a batch's rows in each layer slot and in the scratch, and at
-        # least every group of a whole chunk at once (see _gather_late)
-        per_row = self.per_copy + self.rows.scratch(self.per_copy)
+        # least every group of a whole chunk at once (see _gather_late), for loads and saves
+        def slots(per_copy: int) -> int:  # stage rows per chunk row: its layer slots and the scratch
+            return per_copy + self.rows.scratch(per_copy)
+
         if stage_bytes is None:
-            stage_bytes = BATCH_BYTES * per_row
-        need = len(self._groups) * chunk_rows * per_row
+            stage_bytes = BATCH_BYTES * max(slots(self.per_copy), slots(self.save_per_copy))
+        need = chunk_rows * max(len(self._groups) * slots(self.per_copy),
+                                len(self._save_groups) * slots(self.save_per_copy))
         self._stage = torch.empty((max(need, stage_bytes // row_bytes), *row_shape), dtype=self.dtype,
                                   device=self.copies.device)
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
@@ -209,7 +222,7 @@ class WorkerSide:
         self._staged_index: StepIndex | None = None
         self._blocks_read: torch.cuda.Event | None = None  # after this step's last gathers so far
         self._hooked = [False] * layers  # which layers' hooks ran this step
-        self._copied = [False] * len(self._groups)  # which groups of layers are copied
+        self._copied = [False] * len(self._save_groups)  # which groups of layers are copied
         self._save_namespace = namespace.id
         # host buffers that copies in flight may still write (save gathers) or read (load
         # scatters): kept until their event is done, so the pool does not reuse them under
@@ -244,32 +257,35 @@ class WorkerSide:
         pass (seen on an H100: 115 ms). Twice: PyTorch's CUDA ``index_select`` runs one
         kernel for up to 16 indices and another above, and a step may use either (a short
         tail, a batch of chunks); the second pass repeats block 0 as many times as the stage
-        holds, up to 17 rows per table (every repeat reads and writes the same values)."""
-        per_block = self.rows.rows_per_chunk(1) * (self.per_copy + self.rows.scratch(self.per_copy))
-        repeats = max(1, min(17, self._stage.shape[0] // per_block))
-        for blocks in ([0], [0] * repeats):
-            index = StepIndex(self.copies.device)
-            ((plan, _),) = self._plan_rows(index, [blocks])
-            with self.copies.after_compute():
-                BlockRows.gather(self.tables[0], plan, self._stage)
-                BlockRows.scatter(self.tables[0], plan, self._stage)
-            self.copies.synchronize()
+        holds, up to 17 rows per table (every repeat reads and writes the same values). With
+        the layer slots of saves and of loads both (they differ on a GPU)."""
+        for per_copy in sorted({self.save_per_copy, self.per_copy}):
+            per_block = self.rows.rows_per_chunk(1) * (per_copy + self.rows.scratch(per_copy))
+            repeats = max(1, min(17, self._stage.shape[0] // per_block))
+            for blocks in ([0], [0] * repeats):
+                index = StepIndex(self.copies.device)
+                ((plan, _),) = self._plan_rows(index, [blocks], per_copy)
+                with self.copies.after_compute():
+                    BlockRows.gather(self.tables[0], plan, self._stage)
+                    BlockRows.scatter(self.tables[0], plan, self._stage)
+                self.copies.synchronize()
 
-    def _plan_rows(self, index: StepIndex, block_lists: list[list[int]]) -> list[tuple[RowPlan, list[int]]]:
-        """Batches of chunks that fit the stage, with their rows uploaded in one copy (call
-        inside ``after_compute``): each batch's plan, and its chunks' positions in
-        ``block_lists``."""
+    def _plan_rows(self, index: StepIndex, block_lists: list[list[int]],
+                   per_copy: int) -> list[tuple[RowPlan, list[int]]]:
+        """Batches of chunks that fit the stage with ``per_copy`` layer slots each, with their
+        rows uploaded in one copy (call inside ``after_compute``): each batch's plan, and its
+        chunks' positions in ``block_lists``."""
         lists: list[Sequence[int]] = []
         parts = []
-        for batch in self.rows.batches(block_lists, self._stage.shape[0], self.per_copy):
+        for batch in self.rows.batches(block_lists, self._stage.shape[0], per_copy):
             chunks = [block_lists[i] for i in batch]
-            ids, sizes = self.rows.id_lists(chunks, self.per_copy)
+            ids, sizes = self.rows.id_lists(chunks, per_copy)
             parts.append((batch, chunks, len(ids), sizes))
             lists.extend(ids)
         uploaded = index.upload(lists)
         out, at = [], 0
         for batch, chunks, n, sizes in parts:
-            out.append((self.rows.plan(chunks, uploaded[at : at + n], sizes, self.per_copy), batch))
+            out.append((self.rows.plan(chunks, uploaded[at : at + n], sizes, per_copy), batch))
             at += n
         return out
 
@@ -288,8 +304,8 @@ class WorkerSide:
             self._hooked[li] = True
             # a group of layers is copied once every layer of it has been computed (its hook
             # ran: hooks need not come in the layers' order)
-            k = li // self.per_copy
-            if all(self._hooked[i] for i in self._groups[k]):
+            k = li // self.save_per_copy
+            if all(self._hooked[i] for i in self._save_groups[k]):
                 self._copy_group(k)
 
     def record_uses(self, uses: list[tuple[bytes, ...]]) -> None:
@@ -336,12 +352,13 @@ class WorkerSide:
             self._save_index.hold(self._staged_index, self.copies.record())
         self._staged_index = self._save_index.take()
         self._save_batches = [
-            _Batch(plan, [copying[i].buf for i in batch], self._spans)  # type: ignore[misc]
-            for plan, batch in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying])]
+            _Batch(plan, [copying[i].buf for i in batch], self._save_spans)  # type: ignore[misc]
+            for plan, batch in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying],
+                                               self.save_per_copy)]
         ids = meta.namespace_ids
         self._save_namespace = ids[self.rank] if len(ids) > self.rank else self.namespace.id
         self._hooked = [False] * len(self.views)
-        self._copied = [False] * len(self._groups)
+        self._copied = [False] * len(self._save_groups)
         self._staged = staged
 
     def _copy_group(self, k: int) -> None:
@@ -354,12 +371,12 @@ class WorkerSide:
             self._gather_group(k, batch.plan, self._stage)
             if batch is self._save_batches[-1]:  # the blocks are read (see _end_saves)
                 self._blocks_read = self.copies.record()
-            self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(self._groups[k])))
+            self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(self._save_groups[k])))
         self._copied[k] = True
 
     def _gather_group(self, k: int, plan: RowPlan, stage: torch.Tensor) -> None:
         """Group ``k``'s layers of a batch into their slots of ``stage`` (the batch's part)."""
-        for slot, li in enumerate(self._groups[k]):
+        for slot, li in enumerate(self._save_groups[k]):
             BlockRows.gather(self.tables[li], plan, stage, slot)
 
     def _to_buffers(self, k: int, batch: _Batch, regions: list[torch.Tensor]) -> None:
@@ -398,7 +415,7 @@ class WorkerSide:
             self._end_saves(store=False)
             return
         if late:
-            self._bump(save_layers_after_forward=sum(len(self._groups[k]) for k in late))
+            self._bump(save_layers_after_forward=sum(len(self._save_groups[k]) for k in late))
         self._end_saves(store=True)
 
     def _gather_late(self, late: list[int]) -> None:
@@ -421,7 +438,7 @@ class WorkerSide:
                 at += batch.plan.stage_rows
         self._blocks_read = self.copies.record()
         for k, region, batch in parts:
-            self._to_buffers(k, batch, self.rows.regions(region, batch.plan, len(self._groups[k])))
+            self._to_buffers(k, batch, self.rows.regions(region, batch.plan, len(self._save_groups[k])))
             self._copied[k] = True
 
     def _end_saves(self, *, store: bool) -> None:
@@ -647,7 +664,8 @@ class WorkerSide:
                 # per batch: its plan, and each chunk's tokens its blocks take, past the
                 # skipped ones
                 batches = []
-                for plan, batch in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded]):
+                for plan, batch in self._plan_rows(index, [list(chunk.block_ids) for _, (chunk, _) in loaded],
+                                                   self.per_copy):
                     tokens = []
                     for i, blocks in zip(batch, plan.blocks, strict=True):
                         chunk, data = loaded[i][1]

@@ -180,29 +180,33 @@ def test_cuda_a_long_prefill_steps_saves_and_load_never_wait(tmp_path: Path, con
         worker.close()
 
 
+@pytest.mark.parametrize("saves_grouped", [True, False])
 @pytest.mark.parametrize("content", ["kv_last", "cpu"])
-def test_cuda_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path, content: str) -> None:
-    """The CPU test of the same name on CUDA: layers two per copy, a stage of three chunks'
-    groups (two batches), a partial chunk, hooks in reverse order, steps replayed as CUDA
-    graphs; every chunk loads back bit-exact (sync, async, skipping a block)."""
+def test_cuda_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path, content: str,
+                                                                       saves_grouped: bool) -> None:
+    """The CPU test of the same name on CUDA: layers two per copy (saves too, or one at a
+    time, the default), a stage of three chunks' groups (two batches), a partial chunk,
+    hooks in reverse order, steps replayed as CUDA graphs; every chunk loads back bit-exact
+    (sync, async, skipping a block)."""
     g = _rank(5, 512)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=16 * g.chunk_bytes,
                       write_queue_bytes=16 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
-        got = grouped_round_trip(store, g, content, "cuda")
-    assert (got["per_copy"], got["groups"]) == (2, [2, 2, 1])
+        got = grouped_round_trip(store, g, content, "cuda", saves_grouped)
+    assert (got["per_copy"], got["groups"], got["save_per_copy"]) == (2, [2, 2, 1], 2 if saves_grouped else 1)
     assert got["late_layers"] == 2 * g.layers
     assert got["failed"] == [] and got["mismatches"] == []
 
 
 def test_cuda_worker_groups_a_llama_ranks_layers_eight_per_copy(tmp_path: Path) -> None:
-    """On a GPU the default groups a chunk's layers so each copy is about 8 MiB: 8 layers of
-    a 256-token chunk of a Llama-3-8B rank (1 MiB per layer), in a 72 MiB stage."""
+    """On a GPU the default groups a chunk's layers for loads so each copy is about 8 MiB:
+    8 layers of a 256-token chunk of a Llama-3-8B rank (1 MiB per layer), in a 72 MiB stage;
+    saves go one layer at a time."""
     g = _rank(32, 64)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=2 * g.chunk_bytes,
                       write_queue_bytes=2 * g.chunk_bytes)
     with ChunkStore(cfg) as store:
         worker, _ = make_worker(store, g, "kv_last", "cuda")
-        assert worker.per_copy == 8
+        assert (worker.per_copy, worker.save_per_copy) == (8, 1)
         assert worker._stage.numel() * worker._stage.element_size() == 72 << 20
         worker.close()

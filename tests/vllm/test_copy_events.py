@@ -116,12 +116,12 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole: bool) -> None:
     """Every layer hook ran. The compute stream waits for the event after the step's last
     gathers (the blocks are read: the next step may reuse them), not for the copies to host
-    memory after it (with ``whole``, every layer of a chunk in one copy, as on a GPU: the
-    last group's copies are a group of layers of every chunk); the writer thread waits for
-    those."""
+    memory after it (with ``whole``, every layer of a chunk in one copy, ``save_copy_bytes``:
+    the last group's copies are a group of layers of every chunk); the writer thread waits
+    for those."""
     from kvtier.vllm.metadata import SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path, copy_bytes=G.chunk_bytes if whole else None)
+    store, worker, caches, copies = _rig(tmp_path, save_copy_bytes=G.chunk_bytes if whole else 0)
     order = _log_copies(monkeypatch, copies)
     try:
         key, ids = os.urandom(32), list(range(PER_CHUNK))
@@ -158,18 +158,18 @@ def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
     copies every layer after it. All the gathers go first, then the copies to host memory:
     the compute stream waits for the event between the two (the blocks are read, the next
     step may reuse them), the writer thread for the one after the copies; the chunks are
-    saved whole (``whole``: each chunk's layers all go to host memory in one copy, as on a GPU
-    for small chunks; else one copy per layer)."""
+    saved whole (``whole``: each chunk's layers all go to host memory in one copy,
+    ``save_copy_bytes``; else one copy per layer, the default)."""
     from kvtier.vllm.metadata import SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path, copy_bytes=G.chunk_bytes if whole else None)
+    store, worker, caches, copies = _rig(tmp_path, save_copy_bytes=G.chunk_bytes if whole else 0)
     order = _log_copies(monkeypatch, copies)
     try:
         keys = [os.urandom(32), os.urandom(32)]
         ids = [list(range(PER_CHUNK)), list(range(PER_CHUNK, 2 * PER_CHUNK))]
         save_step(worker, caches, [SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)],
                   layer_hooks=False)
-        assert worker.per_copy == (G.layers if whole else 1)
+        assert worker.save_per_copy == (G.layers if whole else 1)
         assert order == ["gather"] * G.layers + ["event"] + ["host copy"] * (2 if whole else 2 * G.layers) + ["event"]
         blocks_read, copied = copies.events
         assert copies.compute_waits == [blocks_read]
@@ -193,7 +193,7 @@ def test_every_device_copy_is_enqueued_on_the_side_stream_after_the_compute(
     stream, or on the side stream without waiting for the layers it reads: on the CPU both
     are the same synchronous copy, so this checks where each is enqueued. Saves with and
     without layer hooks, synchronous loads, and an asynchronous load copied chunk by chunk
-    from disk (``whole``: every layer of a chunk in one copy, as on a GPU)."""
+    from disk (``whole``: every layer of a chunk in one copy, saves and loads alike)."""
     import contextlib
 
     from kvtier.testing.worker_rig import long_load_from_disk, save_and_reload
@@ -204,7 +204,8 @@ def test_every_device_copy_is_enqueued_on_the_side_stream_after_the_compute(
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=8 * g.chunk_bytes,
                       write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, "kv_last", "cpu", copy_bytes=g.chunk_bytes if whole else None)
+        worker, caches = make_worker(store, g, "kv_last", "cpu", copy_bytes=g.chunk_bytes if whole else None,
+                                     save_copy_bytes=g.chunk_bytes if whole else 0)
         inside = 0
         outside: list[str] = []
         after_compute = CopyStream.after_compute

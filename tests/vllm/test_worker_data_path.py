@@ -58,22 +58,26 @@ def test_steady_state_saves_and_loads_allocate_nothing_and_round_trip(tmp_path: 
         worker.close()
 
 
+@pytest.mark.parametrize("saves_grouped", [True, False])
 @pytest.mark.parametrize("content", ["kv_last", "cpu"])
-def test_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path, content: str) -> None:
+def test_layers_copied_in_groups_through_a_small_stage_round_trip(tmp_path: Path, content: str,
+                                                                  saves_grouped: bool) -> None:
     """Layers moved two at a time (five layers: groups of 2, 2 and 1), through a stage that
     holds three chunks' groups (five chunks: two batches), a partial chunk among them, hooks
     called in reverse order, a step replayed as a CUDA graph (no hook) and a one-chunk one
     (whose gathers all go first): every chunk loads back bit-exact, synchronously (first
     group one layer), asynchronously, and skipping its first block (tests/gpu runs the same
-    on CUDA)."""
+    on CUDA). Saves grouped the same way, or one layer at a time (a GPU's default) while
+    loads group."""
     from kvtier.testing.worker_rig import grouped_round_trip
 
     g = Geometry(layers=5, num_blocks=256)
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=16 * g.chunk_bytes,
                       write_queue_bytes=16 * g.chunk_bytes, io_threads=2)
     with ChunkStore(cfg) as store:
-        got = grouped_round_trip(store, g, content, "cpu")
+        got = grouped_round_trip(store, g, content, "cpu", saves_grouped)
     assert (got["per_copy"], got["groups"], got["sync_groups"]) == (2, [2, 2, 1], [1, 2, 2])
+    assert got["save_per_copy"] == (2 if saves_grouped else 1)
     assert got["stage_rows"] == 3 * 3 * got["rows_per_chunk"]  # 3 groups of 2 slots + scratch
     assert got["late_layers"] == 2 * g.layers
     assert got["failed"] == [] and got["mismatches"] == []
@@ -685,9 +689,9 @@ def test_an_offline_producer_waits_for_buffers_across_back_to_back_steps(tmp_pat
         assert saved == [per_step] * 3 and store.counters.snapshot()["dropped_saves"] == 0
 
 
-@pytest.mark.parametrize("per_copy", [1, 2])
+@pytest.mark.parametrize(("per_copy", "save_per_copy"), [(1, 1), (2, 1), (2, 2)])
 def test_a_step_enqueues_one_gather_per_layer_and_one_copy_per_chunk_and_group_of_layers(
-        tmp_path: Path, per_copy: int) -> None:
+        tmp_path: Path, per_copy: int, save_per_copy: int) -> None:
     """What a GPU pays per operation: each one waits on the side stream behind the forward
     pass, and once about a thousand are pending CUDA blocks the model's thread (measured on
     an H100 with the chunk-by-chunk path: 3 per chunk and layer, a 16-chunk save step held
@@ -697,7 +701,8 @@ def test_a_step_enqueues_one_gather_per_layer_and_one_copy_per_chunk_and_group_o
     with layers grouped, a second indexing op per layer moves it between its slot of the
     stage and the scratch, and a synchronous load's first group is its first layer alone
     (counted with torch's profiler, here on the CPU path, which is the code a GPU runs: one
-    layer per copy is the CPU's default, two the GPU's for chunks this size)."""
+    layer per copy is the CPU's default, two the GPU's for chunks this size). Saves go one
+    layer per copy unless told otherwise (``save_copy_bytes``), also where loads group."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvtier.testing.worker_rig import load_sync
@@ -716,15 +721,16 @@ def test_a_step_enqueues_one_gather_per_layer_and_one_copy_per_chunk_and_group_o
 
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, g, "kv_last", "cpu",
-                                     copy_bytes=None if per_copy == 1 else per_copy * g.chunk_bytes // g.layers)
+                                     copy_bytes=None if per_copy == 1 else per_copy * g.chunk_bytes // g.layers,
+                                     save_copy_bytes=0 if save_per_copy == 1 else save_per_copy * g.chunk_bytes // g.layers)
         keys = [(os.urandom(32),) for _ in range(chunks)]
         src = [list(range(j * per, (j + 1) * per)) for j in range(chunks)]
         saved = ops(lambda: save_step(worker, caches, [SaveSpec("r", k, 0, g.chunk_tokens, ids)
                                                        for k, ids in zip(keys, src, strict=True)]))
-        assert worker.per_copy == per_copy
+        assert (worker.per_copy, worker.save_per_copy) == (per_copy, save_per_copy)
+        assert saved == {"index_select": g.layers, "index_copy_": g.layers * (save_per_copy > 1), "index": 0,
+                         "copy_": g.layers // save_per_copy * chunks}
         grouped = per_copy > 1
-        assert saved == {"index_select": g.layers, "index_copy_": g.layers * grouped, "index": 0,
-                         "copy_": g.layers // per_copy * chunks}
         assert store.flush(30)
         dest = [[b + chunks * per for b in ids] for ids in src]
         loaded = ops(lambda: load_sync(worker, [LoadSpec("l", [ChunkLoad(k, 0, g.chunk_tokens, 0, ids)
