@@ -17,10 +17,11 @@ tensor:
 That is ``1 + chunks`` operations per layer instead of ``3 * chunks``; measured on an H100,
 a 16-chunk save ran at 40 GB/s against 17, and did not block with the forward pass queued.
 
-Each copy between device and host memory also has a fixed cost (1 MiB copies ran at 0.70x of
-the link's rate, 4 MiB ones at 0.80x), so on a GPU the stage holds several layers of each
-chunk (``RowPlan.layers`` slots) laid out as its host buffer holds them, and one copy moves a
-chunk's group of layers at once. A layer then goes through a scratch area: one gather, then
+Each copy between device and host memory also has a fixed cost (on an H200, raw 1 MiB copies
+ran at 0.91x of the link's rate, 8 MiB ones at 0.99x), so on a GPU a load's stage holds
+several layers of each chunk (``RowPlan.layers`` slots) laid out as its host buffer holds
+them, and one copy moves a chunk's group of layers at once (saves go one layer at a time:
+see ``WorkerSide``). A layer then goes through a scratch area: one gather, then
 one ``index_copy_`` into its slot of every chunk (a load: the reverse).
 
 To gather blocks with one op whatever the backend's strides, each strided view part
@@ -48,9 +49,9 @@ from kvtier.vllm.layout import LayerView, PermutedBlocks, UnsupportedLayout
 # that in each layer slot and in the scratch (see WorkerSide), and one chunk's every layer at
 # least. 8 MiB holds 8 chunks of a Llama-3-8B rank (1 MiB per 256-token chunk and layer).
 BATCH_BYTES = 8 << 20
-# How large a copy between device and host memory should be: each copy has a fixed cost on a
-# GPU, so a chunk's layers are copied several at a time, up to about this many bytes (on an
-# H100, 1 MiB copies ran at 0.70x of the link's rate, 4 MiB ones at 0.80x).
+# How large a load's copy from host to device memory should be: each copy has a fixed cost on
+# a GPU, so a chunk's layers are copied several at a time, up to about this many bytes (on an
+# H200, host-tier loads ran at 0.84x of the link this way, 0.77x one layer per copy).
 COPY_BYTES = 8 << 20
 
 
