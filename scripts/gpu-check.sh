@@ -13,8 +13,9 @@
 # cannot use up a short lease; run the parts as separate commands (`;`, not `&&`).
 #
 # tests: tests/gpu; gpu: gpu_bench.py (GPU_ARGS: extra flags, e.g. "--contents kv_last
-# --chunk-tokens 1024 --chunks 4", or "--contents kv_last --copy-mib 0 8": one layer per
-# copy beside 8 MiB copies); store: storage_bench.py on that disk; storage-tests:
+# --chunk-tokens 1024 --chunks 4", or "--contents kv_last --copy-mib 0 8": loads one layer
+# per copy beside 8 MiB copies; "--save-copy-mib 0 8" the same for saves; "--trace $OUT": a
+# profiler trace per row, about 4 MiB each, and the device's own costs from it); store: storage_bench.py on that disk; storage-tests:
 # tests/storage with CUDA visible. On an H100 (2026-11-26) tests took 25-40 s and the
 # benchmark about 45 s per content layout; store and storage-tests take minutes. With a
 # short lease run tests and gpu first, in one command.
