@@ -743,7 +743,7 @@ class WorkerSide:
         chunks overlap the reads of its later ones. A load whose job is done waits in
         ``_reporting`` for the event after its last copy (all copies are on one stream)."""
         parts: list[tuple[_LoadResult, list[tuple[ChunkLoad, torch.Tensor]]]] = []
-        finished: list[tuple[str, _LoadResult]] = []
+        finished: list[tuple[str, _LoadJob]] = []
         for req_id, job in list(self._loads.items()):
             done = job.future.done()  # before draining: nothing arrives after a done job's last
             new = []
@@ -758,7 +758,7 @@ class WorkerSide:
                 new = []
             if done:
                 del self._loads[req_id]
-                finished.append((req_id, job.res))
+                finished.append((req_id, job))
                 try:
                     job.future.result()
                 except Exception as exc:  # defensive: _read catches storage faults
@@ -770,10 +770,20 @@ class WorkerSide:
                     job.res.failed_blocks.clear()
             if new:
                 parts.append((job.res, new))
-        event = self._scatter(parts) if parts else None
-        if finished:
-            event = event if parts else self.copies.record()
-            self._reporting.extend((event, req_id, res) for req_id, res in finished)
+        try:
+            event = self._scatter(parts) if parts else None
+            if finished and not parts:
+                event = self.copies.record()
+        except Exception:
+            # No event marks the copies (recording it failed: a CUDA error, which vLLM does
+            # not survive). The finished loads have left _loads: report them all the same,
+            # every block failed, so that none waits for good, then let the error through.
+            for req_id, job in finished:
+                if not job.stop.is_set():  # (an aborted request's blocks are freed, not failed)
+                    job.res.failed_blocks = [b for chunk in job.spec.chunks for b in chunk.block_ids]
+                self._reporting.append((None, req_id, job.res))
+            raise
+        self._reporting.extend((event, req_id, job.res) for req_id, job in finished)
 
     # -- completion ------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str], idle: bool = True) -> tuple[set[str] | None, set[str] | None]:

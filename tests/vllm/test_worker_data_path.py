@@ -316,6 +316,37 @@ def test_a_load_whose_request_was_aborted_stops_reading(tmp_path: Path) -> None:
         worker.close()
 
 
+def test_a_finished_load_whose_copies_cannot_be_marked_is_still_reported(tmp_path: Path) -> None:
+    """The event after an asynchronous load's last copies cannot be recorded (a CUDA error,
+    which vLLM does not survive): the error reaches the caller, and the load, which has left
+    the worker's loads, is still reported at the next look, every block failed (before, it
+    was never reported: vLLM would wait for it for good)."""
+    from kvtier.vllm.metadata import KVTierMetadata
+
+    g = Geometry(num_blocks=16 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=16 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        keys = _stored_on_disk(store, worker, caches, 2)
+        spec = _load_spec("a", keys, 8 * PER_CHUNK)
+        worker.start_loads(KVTierMetadata(loads=[spec]))
+        worker._loads["a"].future.result(timeout=30)  # read: the next look takes it and finishes it
+
+        def broken() -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        worker.copies.record = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="CUDA error"):
+            worker.get_finished(set())
+        del worker.copies.record  # (the class's again)
+        assert worker._loads == {}
+        _, done = worker.get_finished(set())
+        assert done == {"a"}
+        assert worker.take_load_errors() == {b for chunk in spec.chunks for b in chunk.block_ids}
+        worker.close()
+
+
 def test_a_record_larger_than_the_reserved_buffers_leaves_them_as_they_are(tmp_path: Path) -> None:
     """The worker reserves every pool buffer at start-up, sized for its chunks. A record of
     a larger shape found under a key (another geometry's, a damaged store's) is read into
