@@ -79,8 +79,9 @@ class _Batch:
     each group of layers starts in it and how many it holds (``spans``), and (made once per
     batch and group size) each chunk's region of the stage."""
     plan: RowPlan
-    chunks: list[torch.Tensor]
+    chunks: list[torch.Tensor | None]
     spans: list[tuple[int, int]]
+    owners: list[_Staged] = field(default_factory=list)  # a save's: whose buffer each chunk is
     _regions: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     def piece(self, i: int, k: int) -> torch.Tensor:
@@ -88,7 +89,9 @@ class _Batch:
         the step is planned: a save plans in the first layer's hook, while the device has
         only that layer's work queued, so what the plan costs the host can idle the device."""
         start, size = self.spans[k]
-        return self.chunks[i].narrow(0, start, size)
+        chunk = self.chunks[i]
+        assert chunk is not None  # (a save's chunk with no buffer is not copied)
+        return chunk.narrow(0, start, size)
 
     def regions(self, rows: BlockRows, stage: torch.Tensor, count: int) -> list[torch.Tensor]:
         if count not in self._regions:
@@ -217,6 +220,8 @@ class WorkerSide:
         self._save_index = IndexRing(self.copies.device)
         self._load_index = IndexRing(self.copies.device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
+        self._buffers_due = False  # this step's saves have no buffers yet (see _plan_saves)
+        self._gathered: int | None = None  # a group gathered into the stage, its copies held back
         # this step's chunks to copy, in batches (views made once per step, not per layer)
         self._save_batches: list[_Batch] = []
         self._staged_index: StepIndex | None = None
@@ -300,7 +305,9 @@ class WorkerSide:
             return
         with self.copies.after_compute():
             if self._staged is None:  # the step's first layer: plan its saves once
-                self._plan_saves(meta)
+                self._plan_saves(meta, first_copies_later=True)
+            else:
+                self._copy_gathered()  # the first group's copies, held back (see _copy_group)
             self._hooked[li] = True
             # a group of layers is copied once every layer of it has been computed (its hook
             # ran: hooks need not come in the layers' order)
@@ -313,10 +320,16 @@ class WorkerSide:
         the store's LRU (a dict insert; never waits)."""
         self.store.touch(keys[self.rank] for keys in uses)
 
-    def _plan_saves(self, meta: KVTierMetadata) -> None:
-        """Which of the step's chunks to copy (those neither stored nor queued), a pooled
-        buffer for each, and their block ids uploaded to the device in one copy (call inside
-        ``after_compute``)."""
+    def _plan_saves(self, meta: KVTierMetadata, first_copies_later: bool = False) -> None:
+        """Which of the step's chunks to copy (those neither stored nor queued), their block
+        ids uploaded to the device in one copy, and a pooled buffer for each (call inside
+        ``after_compute``).
+
+        ``first_copies_later`` (a layer hook plans): where the step's chunks fit one batch of
+        the stage, the buffers are taken, and the first group's copies enqueued, at the next
+        hook. This hook runs while the device has only the first layer's compute queued, so
+        its host time can idle the device (traced on an H200: 4.5 ms before the plan got
+        cheaper); the next one has a layer more queued."""
         unsafe = self._unsafe_save_steps > 0  # nothing of this step is saved (UNSAFE_SAVE_STEPS)
         if self.save_wait_s:  # an offline producer may wait: for the last steps' copies, so
             # that their buffers can go back to the pool (no name here may hold a buffer)
@@ -340,19 +353,16 @@ class WorkerSide:
             if unsafe or there:
                 staged.append(_Staged(spec, None, "save_unsafe_chunks" if unsafe else "save_skipped_chunks"))
                 continue
-            shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
-            buf = self.store.buffer(shape, self.dtype, wait_until=self._save_deadline)
-            replace = self._refuted.pop(key, False) if buf is not None else False  # (saved now)
-            staged.append(_Staged(spec, buf, "save_dropped_chunks", replace=replace))
+            staged.append(_Staged(spec, None, "save_dropped_chunks"))  # (its buffer: _take_buffers)
         # A use from vLLM's own prefix cache (or a load): else the store's LRU would evict the
         # hottest prefixes first, those that never need a load while the server runs.
         self.store.touch(used)
-        copying = [st for st in staged if st.buf is not None]
+        copying = [st for st in staged if st.skipped == "save_dropped_chunks"]
         if self._staged_index is not None:  # (a plan that failed part way: given back)
             self._save_index.hold(self._staged_index, self.copies.record())
         self._staged_index = self._save_index.take()
         self._save_batches = [
-            _Batch(plan, [copying[i].buf for i in batch], self._save_spans)  # type: ignore[misc]
+            _Batch(plan, [None] * len(batch), self._save_spans, [copying[i] for i in batch])
             for plan, batch in self._plan_rows(self._staged_index, [list(st.spec.block_ids) for st in copying],
                                                self.save_per_copy)]
         ids = meta.namespace_ids
@@ -360,12 +370,48 @@ class WorkerSide:
         self._hooked = [False] * len(self.views)
         self._copied = [False] * len(self._save_groups)
         self._staged = staged
+        self._gathered = None
+        self._buffers_due = True
+        if not (first_copies_later and len(self._save_batches) == 1 and len(self._save_groups) > 1):
+            self._take_buffers()
+
+    def _take_buffers(self) -> None:
+        """A pooled buffer for each chunk of the step to copy (none free: the save is dropped
+        and counted; it is gathered all the same, and not copied)."""
+        if not self._buffers_due:
+            return
+        self._buffers_due = False
+        for batch in self._save_batches:
+            for i, st in enumerate(batch.owners):
+                spec = st.spec
+                shape = (len(self.views), 2, spec.num_tokens, self.heads, self.head_dim)
+                st.buf = self.store.buffer(shape, self.dtype, wait_until=self._save_deadline)
+                if st.buf is not None:  # (saved now)
+                    st.replace = self._refuted.pop(spec.keys[self.rank], False)
+                batch.chunks[i] = st.buf
+
+    def _copy_gathered(self) -> None:
+        """The copies of the group held back in the stage (see _plan_saves), now (inside
+        ``after_compute``, before any other gather into the stage)."""
+        k, self._gathered = self._gathered, None
+        if k is None:
+            return
+        self._take_buffers()
+        (batch,) = self._save_batches
+        self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(self._save_groups[k])))
+        self._copied[k] = True
 
     def _copy_group(self, k: int) -> None:
         """Copy group ``k`` of layers of this step's saves into their buffers (inside
         ``after_compute``): per batch, its layers gathered into their slots of the stage, then
         one copy per chunk."""
-        if self._copied[k] or self._staged is None:
+        if self._copied[k] or self._staged is None or k == self._gathered:
+            return
+        if self._buffers_due:  # the step's first group: gathered now, copied at the next hook
+            (batch,) = self._save_batches
+            self._gather_group(k, batch.plan, self._stage)
+            self._blocks_read = self.copies.record()
+            self._gathered = k
             return
         for batch in self._save_batches:
             self._gather_group(k, batch.plan, self._stage)
@@ -381,9 +427,10 @@ class WorkerSide:
 
     def _to_buffers(self, k: int, batch: _Batch, regions: list[torch.Tensor]) -> None:
         """A batch's gathered group ``k`` of layers from the stage (``regions``, per chunk)
-        into each chunk's buffer."""
+        into each chunk's buffer (a chunk that got none: not copied)."""
         for i, (region, blocks) in enumerate(zip(regions, batch.plan.blocks, strict=True)):
-            self.rows.to_chunk(region, blocks, batch.piece(i, k), self.copies.non_blocking)
+            if batch.chunks[i] is not None:
+                self.rows.to_chunk(region, blocks, batch.piece(i, k), self.copies.non_blocking)
 
     def finish_saves(self, meta: KVTierMetadata | None = None) -> None:
         """The step's forward pass is enqueued: copy what its layer hooks did not, and hand
@@ -408,6 +455,8 @@ class WorkerSide:
             with self.copies.after_compute():
                 if self._staged is None:  # no layer hook ran: a CUDA graph replayed the forward
                     self._plan_saves(meta)  # type: ignore[arg-type]
+                self._copy_gathered()  # (a model of one layer: no hook came after the first)
+                self._take_buffers()
                 late = [k for k, done in enumerate(self._copied) if not done]
                 self._gather_late(late)
         except Exception as exc:

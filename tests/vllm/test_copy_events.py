@@ -111,6 +111,63 @@ def _log_copies(monkeypatch: pytest.MonkeyPatch, copies: GatedCopies) -> list[st
     return order
 
 
+@pytest.mark.parametrize(("chunks", "hooks"), [(2, "all"), (6, "all"), (2, "first only")])
+def test_the_first_hook_only_gathers_and_the_next_copies_what_it_gathered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: int, hooks: str) -> None:
+    """The first layer's hook plans the step while the device has only that layer's compute
+    queued: where the step's chunks fit one batch of the stage, it takes no pool buffer and
+    enqueues no copy to host memory, only the gather; the next hook takes the buffers and
+    copies that layer first, before its own gather overwrites the stage. A step larger than
+    the stage (``chunks`` 6, in batches) copies at once; where no other hook comes (``first
+    only``), ``wait_for_save`` copies it. Every chunk is stored whole."""
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=8 * G.chunk_bytes,
+                      write_queue_bytes=8 * G.chunk_bytes, io_threads=2)
+    store = ChunkStore(cfg)
+    # a stage of four chunks' layers: two chunks fit one batch, six do not
+    worker, caches = make_worker(store, G, "kv_last", "cpu", stage_bytes=4 * G.chunk_bytes // G.layers)
+    worker.copies = copies = GatedCopies()
+    gen = torch.Generator().manual_seed(1)
+    for c in caches.values():
+        c.copy_(torch.randn(c.shape, generator=gen))
+    order = _log_copies(monkeypatch, copies)
+    try:
+        keys = [os.urandom(32) for _ in range(chunks)]
+        ids = [list(range(j * PER_CHUNK, (j + 1) * PER_CHUNK)) for j in range(chunks)]
+        meta = KVTierMetadata(saves=[SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)])
+        free = store.pool.free_slots
+        names = list(caches)
+        worker.save_layer(meta, names[0])
+        batches = len(worker._save_batches)
+        assert (batches > 1) == (chunks == 6)
+        if batches == 1:
+            assert order == ["gather", "event"]
+            assert store.pool.free_slots == free  # no buffer taken yet
+            if hooks == "first only":
+                worker.finish_saves(meta)
+                assert order[2:2 + chunks] == ["host copy"] * chunks  # before the late gathers
+                names = names[:1]
+            else:
+                worker.save_layer(meta, names[1])
+                assert order == ["gather", "event"] + ["host copy"] * chunks + ["gather", "event"] + ["host copy"] * chunks
+        else:
+            assert order[-1] == "host copy" and order.count("host copy") == chunks
+        assert store.pool.free_slots == free - chunks
+        for name in names[2:] if batches == 1 else names[1:]:
+            worker.save_layer(meta, name)
+        if hooks == "all":
+            worker.finish_saves(meta)
+        copies.complete_all()
+        assert store.flush(30)
+        for k, b in zip(keys, ids, strict=True):
+            _assert_stored(store, k, caches, b)
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
 @pytest.mark.parametrize("whole", [False, True])
 def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_for_the_gathers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole: bool) -> None:
