@@ -396,10 +396,13 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
             # saving step with the clocks' drop after the idle flush before the plain one (an
             # H200 trace showed no device cost for a decode step's saves, while such pairs
             # said +6%).
-            def settled(fn, until_compute: bool = False) -> float:  # noqa: ANN001
+            def settled(saves: list, hooks: bool, until_compute: bool) -> tuple[float, float, float]:
+                """One step timed after that history: (wall seconds, the host's share of it,
+                seconds in the hooks)."""
                 store.flush(120)
                 step([])
-                return timed(fn, device, 1, until_compute=until_compute)
+                wall = timed(lambda: step(saves, hooks), device, 1, until_compute=until_compute)
+                return wall, step_s[0] / wall, hook_s[0]
 
             plains: list[float] = []
             for kind, n, hooks in (("prefill", chunks, True), ("decode", 1, True), ("decode_graph", 1, False)):
@@ -407,21 +410,15 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 for i in range(pairs):
                     for until_compute, into in ((False, ratios), (True, next_ratios)):
                         s = specs(n)
-                        timings = {}
-                        for which in (("plain", "saving") if i % 2 == 0 else ("saving", "plain")):
-                            if which == "plain":
-                                timings["plain"] = settled(lambda: step([]), until_compute)
-                                timings["plain_enqueued"] = step_s[0]
-                            else:
-                                timings["saving"] = settled(lambda s=s, h=hooks: step(s, h), until_compute)
-                                timings["saving_enqueued"] = step_s[0]
-                                timings["hooks"] = hook_s[0]
-                        into.append(timings["saving"] / timings["plain"])
-                        plains.append(timings["plain"])
+                        if i % 2 == 0:
+                            base, saved = settled([], hooks, until_compute), settled(s, hooks, until_compute)
+                        else:
+                            saved, base = settled(s, hooks, until_compute), settled([], hooks, until_compute)
+                        into.append(saved[0] / base[0])
+                        plains.append(base[0])
                         if not until_compute:
-                            hosts.append(timings["hooks"])
-                            enqueued.append((timings["saving_enqueued"] / timings["saving"],
-                                             timings["plain_enqueued"] / timings["plain"]))
+                            hosts.append(saved[2])
+                            enqueued.append((saved[1], base[1]))
                 store.flush(120)
                 out[f"overhead_{kind}"] = statistics.median(ratios) - 1
                 out[f"hooks_ms_{kind}"] = statistics.median(hosts) * 1e3

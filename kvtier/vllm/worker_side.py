@@ -341,7 +341,8 @@ class WorkerSide:
         # could wait for the disk on this thread (a chunk stored since the lookup is written
         # again, and the index keeps the first copy).
         queued = self.store.queued_each([spec.keys[self.rank] for spec in meta.saves])
-        staged = []
+        staged: list[_Staged] = []
+        copying: list[_Staged] = []  # (those of them to copy)
         used = []
         for spec, in_queue in zip(meta.saves, queued, strict=True):
             key = spec.keys[self.rank]
@@ -353,11 +354,11 @@ class WorkerSide:
             if unsafe or there:
                 staged.append(_Staged(spec, None, "save_unsafe_chunks" if unsafe else "save_skipped_chunks"))
                 continue
-            staged.append(_Staged(spec, None, "save_dropped_chunks"))  # (its buffer: _take_buffers)
+            copying.append(_Staged(spec, None, "save_dropped_chunks"))  # (its buffer: _take_buffers)
+            staged.append(copying[-1])
         # A use from vLLM's own prefix cache (or a load): else the store's LRU would evict the
         # hottest prefixes first, those that never need a load while the server runs.
         self.store.touch(used)
-        copying = [st for st in staged if st.skipped == "save_dropped_chunks"]
         if self._staged_index is not None:  # (a plan that failed part way: given back)
             self._save_index.hold(self._staged_index, self.copies.record())
         self._staged_index = self._save_index.take()

@@ -66,9 +66,9 @@ class GatedCopies(CopyStream):
             e.complete()
 
 
-def _rig(tmp_path: Path, **worker_args: object):  # noqa: ANN202
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
-                      write_queue_bytes=4 * G.chunk_bytes, io_threads=2)
+def _rig(tmp_path: Path, pool_chunks: int = 4, **worker_args: object):  # noqa: ANN202
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=pool_chunks * G.chunk_bytes,
+                      write_queue_bytes=pool_chunks * G.chunk_bytes, io_threads=2)
     store = ChunkStore(cfg)
     worker, caches = make_worker(store, G, "kv_last", "cpu", **worker_args)
     worker.copies = copies = GatedCopies()
@@ -122,15 +122,8 @@ def test_the_first_hook_only_gathers_and_the_next_copies_what_it_gathered(
     only``), ``wait_for_save`` copies it. Every chunk is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=8 * G.chunk_bytes,
-                      write_queue_bytes=8 * G.chunk_bytes, io_threads=2)
-    store = ChunkStore(cfg)
     # a stage of four chunks' layers: two chunks fit one batch, six do not
-    worker, caches = make_worker(store, G, "kv_last", "cpu", stage_bytes=4 * G.chunk_bytes // G.layers)
-    worker.copies = copies = GatedCopies()
-    gen = torch.Generator().manual_seed(1)
-    for c in caches.values():
-        c.copy_(torch.randn(c.shape, generator=gen))
+    store, worker, caches, copies = _rig(tmp_path, pool_chunks=8, stage_bytes=4 * G.chunk_bytes // G.layers)
     order = _log_copies(monkeypatch, copies)
     try:
         keys = [os.urandom(32) for _ in range(chunks)]

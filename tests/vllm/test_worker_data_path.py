@@ -4,10 +4,12 @@ them all when it starts)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -148,15 +150,18 @@ def test_the_worker_runs_every_copy_kernel_once_when_it_starts(tmp_path: Path, m
     """CUDA loads a kernel's code on its first launch and may synchronize the device to do it
     (115 ms behind a queued forward pass on an H100), so the worker runs its copies once at
     start-up. PyTorch's CUDA ``index_select`` has one kernel for up to 16 indices and another
-    above: the start-up copies use both, on every table (``grouped``: through the scratch)."""
+    above: the start-up copies use both, on every table (``grouped``: loads through the
+    scratch, saves, one layer at a time, straight into the stage: both ways are run)."""
     from kvtier.vllm.block_rows import BlockRows
 
     counts: dict[str, list[list[int]]] = {"gather": [], "scatter": []}
+    scratch: set[bool] = set()  # whether each plan run went through the scratch
     for name in counts:
         real = getattr(BlockRows, name)
 
         def logged(tables, plan, stage, slot=0, _real=real, _name=name):  # noqa: ANN001, ANN202
             counts[_name].append([rows.numel() for rows in plan.rows])
+            scratch.add(plan.slots is not None)
             return _real(tables, plan, stage, slot)
 
         monkeypatch.setattr(BlockRows, name, staticmethod(logged))
@@ -164,7 +169,8 @@ def test_the_worker_runs_every_copy_kernel_once_when_it_starts(tmp_path: Path, m
                       write_queue_bytes=4 * G.chunk_bytes)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, G, content, "cpu", copy_bytes=G.chunk_bytes if grouped else None)
-        assert worker.per_copy == (G.layers if grouped else 1)
+        assert (worker.per_copy, worker.save_per_copy) == (G.layers if grouped else 1, 1)
+        assert scratch == ({False, True} if grouped else {False})
         assert all(torch.count_nonzero(c) == 0 for c in caches.values())  # read and written back unchanged
         for name, calls in counts.items():
             assert any(max(c) <= 16 for c in calls), (name, calls)
@@ -223,6 +229,35 @@ def _stored_on_disk(store: ChunkStore, worker, caches: dict[str, torch.Tensor], 
     return keys
 
 
+@contextlib.contextmanager
+def _on_disk(tmp_path: Path, n: int, host_chunks: int, **cfg_args: object):  # noqa: ANN202
+    """A store and a worker over 16 chunks' blocks, ``n`` chunks saved to disk and the host
+    tier emptied (see ``_stored_on_disk``): ``(store, worker, keys)``."""
+    g = Geometry(num_blocks=16 * PER_CHUNK)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=host_chunks * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2, **cfg_args)  # type: ignore[arg-type]
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        yield store, worker, _stored_on_disk(store, worker, caches, n)
+
+
+def _slow_reads(store: ChunkStore, hold: threading.Event | None = None) -> list[bytes]:
+    """Make the store's reads slow (50 ms each; past the second, held until ``hold`` is
+    set, if given): the keys read, in order, as they begin."""
+    reads: list[bytes] = []
+    real = store.load
+
+    def slow(key: bytes, *args: object, **kwargs: object) -> object:
+        reads.append(key)
+        if hold is not None and len(reads) > 2:
+            hold.wait(60)
+        time.sleep(0.05)
+        return real(key, *args, **kwargs)
+
+    store.load = slow  # type: ignore[method-assign]
+    return reads
+
+
 def _load_spec(req: str, keys: list[bytes], first_block: int):  # noqa: ANN202
     from kvtier.vllm.metadata import ChunkLoad, LoadSpec
 
@@ -237,28 +272,12 @@ def test_closing_the_worker_stops_its_loads(tmp_path: Path, case: str) -> None:
     at their next chunk, also past a missing one (where the rest is read only to find bad
     records), instead of reading on to the end; and a read that hangs (a network file
     system) holds ``close`` no longer than the store's ``close_timeout_s``."""
-    import threading
-
     from kvtier.vllm.metadata import KVTierMetadata
 
-    g = Geometry(num_blocks=16 * PER_CHUNK)
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=64 * g.chunk_bytes,
-                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2, close_timeout_s=1.0)
-    with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, "kv_last", "cpu")
-        keys = _stored_on_disk(store, worker, caches, 8)
-        reads: list[bytes] = []
+    with _on_disk(tmp_path, 8, 64, close_timeout_s=1.0) as (store, worker, keys):
+        cfg = store.config
         hung = threading.Event()
-        real = store.load
-
-        def slow(key: bytes, *args: object, **kwargs: object) -> object:
-            reads.append(key)
-            if case == "hung read" and len(reads) > 2:
-                hung.wait(60)
-            time.sleep(0.05)
-            return real(key, *args, **kwargs)
-
-        store.load = slow  # type: ignore[method-assign]
+        reads = _slow_reads(store, hung if case == "hung read" else None)
         ks = (keys * 5)[:40] if case != "past a miss" else [os.urandom(32)] + (keys * 5)[:39]
         worker.start_loads(KVTierMetadata(loads=[_load_spec("a", ks, 8 * PER_CHUNK)]))
         time.sleep(0.2)
@@ -281,21 +300,9 @@ def test_a_load_whose_request_was_aborted_stops_reading(tmp_path: Path) -> None:
     soon, with no blocks reported failed (the request is gone)."""
     from kvtier.vllm.metadata import KVTierMetadata
 
-    g = Geometry(num_blocks=16 * PER_CHUNK)
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=64 * g.chunk_bytes,
-                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
-    with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, "kv_last", "cpu")
-        keys = _stored_on_disk(store, worker, caches, 8)
-        reads: list[bytes] = []
-        real = store.load
-
-        def slow(key: bytes, *args: object, **kwargs: object) -> object:
-            reads.append(key)
-            time.sleep(0.05)
-            return real(key, *args, **kwargs)
-
-        store.load = slow  # type: ignore[method-assign]
+    with _on_disk(tmp_path, 8, 64) as (store, worker, keys):
+        cfg = store.config
+        reads = _slow_reads(store)
         worker.start_loads(KVTierMetadata(loads=[_load_spec("a", (keys * 5)[:40] + [os.urandom(32)], 8 * PER_CHUNK)]))
         time.sleep(0.2)
         before = len(reads)
@@ -323,12 +330,7 @@ def test_a_finished_load_whose_copies_cannot_be_marked_is_still_reported(tmp_pat
     was never reported: vLLM would wait for it for good)."""
     from kvtier.vllm.metadata import KVTierMetadata
 
-    g = Geometry(num_blocks=16 * PER_CHUNK)
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=16 * g.chunk_bytes,
-                      write_queue_bytes=4 * g.chunk_bytes, io_threads=2)
-    with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, "kv_last", "cpu")
-        keys = _stored_on_disk(store, worker, caches, 2)
+    with _on_disk(tmp_path, 2, 16) as (_, worker, keys):
         spec = _load_spec("a", keys, 8 * PER_CHUNK)
         worker.start_loads(KVTierMetadata(loads=[spec]))
         worker._loads["a"].future.result(timeout=30)  # read: the next look takes it and finishes it
@@ -464,8 +466,6 @@ def test_on_a_gpu_only_a_step_without_a_forward_pass_waits_for_a_pending_load(tm
     (``idle``: the engine has nothing else to do). In a step with one it waits on the CPU
     (the readers share its cores) and, as on a GPU (``busy_step_load_wait`` off), returns at
     once, so the next step is not delayed."""
-    import threading
-
     from kvtier.testing.worker_rig import wait_reported
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
@@ -554,6 +554,34 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["cold_load_async_gbs"] > 0
 
 
+def test_the_gpu_benchmark_reads_a_saves_device_costs_from_a_trace(tmp_path: Path) -> None:
+    """``gpu_bench.trace_costs`` (what ``--trace`` prints on a GPU; a CPU trace has no device
+    timeline): per kind of step, the compute stream's idle time beyond the plain step's, and
+    how long after its last kernel the side stream's last kernel (the gathers) and its last
+    copy ended. A hand-made trace in PyTorch's Chrome format, times in µs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu_bench.py")
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+
+    def ev(cat: str, ts: float, dur: float, stream: int = 7, name: str = "k") -> dict[str, object]:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = [
+        ev("user_annotation", 0, 500, name="step_plain"),
+        ev("kernel", 10, 100), ev("kernel", 120, 100),  # 10 idle
+        ev("user_annotation", 1000, 600, name="step_prefill"),
+        ev("kernel", 1010, 100), ev("kernel", 1160, 100),  # 50 idle: 40 more than plain
+        ev("kernel", 1260, 20, stream=13), ev("gpu_memcpy", 1280, 200, stream=13),
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = bench.trace_costs(trace)
+    assert got == pytest.approx({"trace_gap_ms_prefill": 0.04, "trace_gathers_ms_prefill": 0.02,
+                                 "trace_tail_ms_prefill": 0.22})
+
+
 def test_the_hook_host_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     """benchmarks/hook_host_bench.py, small: this checkout against itself (``--against``),
     each run in its own process, every time measured."""
@@ -571,8 +599,6 @@ def test_a_step_reads_no_index_and_skips_what_is_stored_or_queued(tmp_path: Path
     """The model's thread never reads the index (a cold page waits for the disk): a chunk is
     skipped because the scheduler's lookup found it stored, or because this process has it
     queued; anything else is copied."""
-    import threading
-
     from kvtier.vllm.metadata import SaveSpec
 
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, io_threads=2)
