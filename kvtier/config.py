@@ -22,6 +22,7 @@ DURABILITY = ("process", "power")
 COMPRESSION = ("none", "zstd")
 # Longer waits than this are a mistake (and past what a thread join can take).
 MAX_CLOSE_TIMEOUT_S = 86400.0
+MAX_READ_TIMEOUT_S = 3600.0  # an hour: a longer wait is a hang to a server
 
 
 def default_store_path() -> Path:
@@ -59,6 +60,9 @@ class CacheConfig:
     commit_bytes: int | str = "256M"
     max_record_bytes: int | str = "1G"
     close_timeout_s: float = 30.0
+    # A chunk read that has not returned this long after it was asked for (a hung network
+    # mount, a dying disk) is given up: a miss for the caller, never a wait for good
+    read_timeout_s: float = 10.0
     # The shared remote tier (see docs/scale-out.md): a redis://, rediss:// or
     # redis+cluster:// address, or None for none.
     remote: str | None = None
@@ -179,6 +183,10 @@ class CacheConfig:
                 or not 0 < self.close_timeout_s <= MAX_CLOSE_TIMEOUT_S:
             raise ConfigError(f"close_timeout_s: must be a number of seconds above 0 and at most "
                               f"{MAX_CLOSE_TIMEOUT_S:.0f} (a day), got {self.close_timeout_s!r}")
+        if isinstance(self.read_timeout_s, bool) or not isinstance(self.read_timeout_s, int | float) \
+                or not 0 < self.read_timeout_s <= MAX_READ_TIMEOUT_S:
+            raise ConfigError(f"read_timeout_s: must be a number of seconds above 0 and at most "
+                              f"{MAX_READ_TIMEOUT_S:.0f}, got {self.read_timeout_s!r}")
         self._validate_remote()
         if self.max_record_bytes < 4096:
             raise ConfigError("max_record_bytes: must be at least 4K")

@@ -25,6 +25,8 @@ class Counters:
     incompatible_records: int = 0
     oversized_records: int = 0  # intact, over this process's max_record_bytes: skipped, kept
     io_errors: int = 0
+    # chunk reads given up on after read_timeout_s (a miss each; the record is kept)
+    read_timeouts: int = 0
     # index entries whose payload file was gone (deleted behind kvtier's back): entry removed
     missing_payloads: int = 0
     # loads into host memory that found every pooled buffer in use and allocated one (pageable

@@ -21,6 +21,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -65,6 +66,7 @@ class Outcome(Enum):
     INCOMPATIBLE = "incompatible"  # intact, another record-format version: kept
     TOO_LARGE = "too_large"  # intact, over this process's max_record_bytes: kept
     IO_ERROR = "io_error"
+    TIMED_OUT = "timed_out"  # no answer within read_timeout_s (a hung mount?): kept, a miss
 
 
 @dataclass
@@ -196,6 +198,8 @@ class ChunkStore:
         self._usage_at_close: dict[str, int] = {}  # the disk part of stats(), read at close
         self._exit_flush_gave_up = False  # (see _flush_stores_at_exit)
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
+        self._stuck_reads = 0  # reads given up on (read_timeout_s) that still hold an I/O thread
+        self._stuck_lock = threading.Lock()
         self._start_writer()
         _LIVE_STORES.add(self)
 
@@ -216,6 +220,7 @@ class ChunkStore:
         # the parent's sockets and upload thread are not ours: connect afresh
         self.remote = open_remote(self.config, self.counters, writer=not self.readonly)
         self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
+        self._stuck_reads, self._stuck_lock = 0, threading.Lock()  # (the parent's stuck threads are not ours)
         self._start_writer(register=False)  # registers on its first save: many children never save
 
     def _start_writer(self, *, register: bool = True) -> None:
@@ -773,6 +778,7 @@ class ChunkStore:
         Outcome.TOO_LARGE: ("oversized_records", "kvtier: skipping record %s: %s"),
         Outcome.CORRUPT: ("corrupt_records", "kvtier: corrupt record %s (%s); removed, will recompute"),
         Outcome.IO_ERROR: ("io_errors", "kvtier: reading %s failed (%s); treating as a miss"),
+        Outcome.TIMED_OUT: ("read_timeouts", "kvtier: reading %s timed out (%s); treating as a miss"),
     }
 
     def _failed(self, outcome: Outcome, key: bytes, exc: Exception) -> Loaded:
@@ -812,23 +818,68 @@ class ChunkStore:
         At most twice ``io_threads`` chunks (or ``ahead()``, asked before each read starts:
         several loads at once share that many) are read ahead of the one the caller is at:
         the I/O threads stay busy, and a long load holds a bounded number of buffers until
-        the caller is done with the earlier ones (a 128k-token prompt is gigabytes of KV)."""
+        the caller is done with the earlier ones (a 128k-token prompt is gigabytes of KV).
+
+        A read with no answer ``read_timeout_s`` after it was asked for is ``TIMED_OUT``: the
+        caller goes on, and the read is left to finish on its thread (it holds its own buffer,
+        no one else's). While every I/O thread is held so, reads fail at once, without a wait.
+        Reads not yet begun when the caller stops taking results are cancelled."""
         _check_keys("load_many", keys)
-        if len(keys) <= 1 or threading.current_thread().name.startswith("kvtier-load"):
+        if threading.current_thread().name.startswith("kvtier-load"):
             # serial on a pool thread: waiting there for the same pool could deadlock
             for k in keys:
                 yield self._load_guarded(k)
             return
+        # (even one read goes through the pool: that is what bounds the caller's wait)
         most = max(2, 2 * self.config.io_threads)
         ahead = ahead or (lambda: most)
-        futures: collections.deque[Future[Loaded]] = collections.deque()
+        reads: collections.deque[tuple[bytes, Future[Loaded] | None, float]] = collections.deque()
         started = 0
-        for _ in range(len(keys)):
-            # this read and, before it is handed over, up to ahead() more
-            while started < len(keys) and len(futures) <= max(1, ahead()):
-                futures.append(self._submit(self._load_guarded, keys[started]))
-                started += 1
-            yield self._result(futures.popleft())  # (no name keeps it here once handed over)
+        try:
+            for _ in range(len(keys)):
+                # this read and, before it is handed over, up to ahead() more
+                while started < len(keys) and len(reads) <= max(1, ahead()):
+                    reads.append(self._submit_read(keys[started]))
+                    started += 1
+                yield self._read_result(*reads.popleft())  # (no name keeps it here once handed over)
+        finally:
+            for _, fut, _ in reads:
+                if fut is not None:
+                    fut.cancel()
+
+    def _submit_read(self, key: bytes) -> tuple[bytes, Future[Loaded] | None, float]:
+        """A read on the I/O pool, with its deadline; no future where every I/O thread is
+        held by a read given up on (a new one would only queue behind them)."""
+        timeout = float(self.config.read_timeout_s)
+        if self._stuck_reads >= self.config.io_threads:
+            return key, None, 0.0
+        return key, self._submit(self._load_guarded, key), time.monotonic() + timeout
+
+    def _read_result(self, key: bytes, fut: Future[Loaded] | None, deadline: float) -> Loaded:
+        """What a read of :meth:`_submit_read` found, waiting at most until its deadline."""
+        timeout = float(self.config.read_timeout_s)
+        if fut is None:
+            return self._failed(Outcome.TIMED_OUT, key, TimeoutError(
+                f"not read: all {self.config.io_threads} I/O threads are held by reads that have not "
+                f"returned within read_timeout_s ({timeout:g} s); is the store's file system hung?"))
+        try:
+            return self._result(fut, max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            pass
+        if fut.cancel():  # never began: the I/O threads were busy all along
+            return self._failed(Outcome.TIMED_OUT, key, TimeoutError(
+                f"not begun within read_timeout_s ({timeout:g} s): every I/O thread was busy"))
+        if fut.done():  # (it returned just now)
+            return self._result(fut)
+        with self._stuck_lock:
+            self._stuck_reads += 1
+        fut.add_done_callback(self._stuck_read_returned)
+        return self._failed(Outcome.TIMED_OUT, key, TimeoutError(
+            f"no answer within read_timeout_s ({timeout:g} s); the read goes on in the background"))
+
+    def _stuck_read_returned(self, _: Future[Loaded]) -> None:
+        with self._stuck_lock:
+            self._stuck_reads -= 1
 
     def _submit(self, fn: Callable[..., object], *args: object) -> Future[Any]:
         """``fn`` on the I/O pool; a pool that refuses (the store was closed meanwhile, or
@@ -838,10 +889,10 @@ class ChunkStore:
         except RuntimeError as exc:
             raise StoreError(f"{self.config.path}: the store was closed ({exc})") from None
 
-    def _result(self, fut: Future[Any]) -> Any:
+    def _result(self, fut: Future[Any], timeout: float | None = None) -> Any:
         """A pool job's result; one that close() cancelled is a StoreError."""
         try:
-            return fut.result()
+            return fut.result(timeout)
         except CancelledError:
             raise StoreError(f"{self.config.path}: the store was closed while loading") from None
 

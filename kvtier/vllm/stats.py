@@ -50,6 +50,8 @@ PROM_COUNTERS = {
     "store_evicted_disk_bytes": "Bytes evicted from the persistent tier",
     "store_orphans_removed": "Record payloads no index entry named (a killed writer's), removed",
     "store_io_errors": "Storage I/O errors",
+    "store_read_timeouts": "Chunk reads given up after read_timeout_s (a hung file system?): misses, "
+                           "records kept",
     "store_missing_payloads": "Index entries whose record file was gone (removed by hand?); dropped from "
                               "the index, the chunk is saved again",
     "store_unpooled_loads": "Chunks loaded into newly allocated host memory because every pooled buffer was "

@@ -659,6 +659,8 @@ class WorkerSide:
             if not self._usable(chunk, loaded):
                 for rest in spec.chunks[i:]:
                     res.failed_blocks.extend(rest.block_ids)
+                if loaded.outcome is Outcome.TIMED_OUT:  # the rest would wait on the same storage
+                    break
                 for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
                     self._usable(rest, later)
                     del later

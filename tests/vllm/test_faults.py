@@ -42,6 +42,37 @@ def test_corrupt_chunk_is_detected_and_recomputed(tiny_model: Path, store_dir: P
     assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 32 * 32 for p in P]
 
 
+def test_a_store_whose_reads_hang_costs_a_timeout_and_changes_no_output(tiny_model: Path, store_dir: Path,
+                                                                         baseline: list[list[int]]) -> None:
+    """The store's file system stops answering (a hung network mount): every read hangs. The
+    engine serves the same output, each load given up after ``read_timeout_s`` and its
+    blocks recomputed, with asynchronous loads and with loads before the forward pass; the
+    records are kept, and hit again once the file system answers."""
+    import time
+
+    from diskhelpers import hang_reads
+
+    with Engine(tiny_model, kv_transfer_config(store_dir, backend="files")) as e:
+        e.generate(P, max_tokens=10)
+    for load_async in (True, False):
+        cfg = kv_transfer_config(store_dir, backend="files", read_timeout_s=0.5, load_async=load_async)
+        with Engine(tiny_model, cfg) as e:
+            store = e.worker_connector._store
+            release = hang_reads(store)
+            t = time.monotonic()
+            got = e.generate(P, max_tokens=10)
+            took = time.monotonic() - t
+            stats = store.counters.snapshot()  # (before the hung reads return and count their hits)
+            release.set()
+        assert [r.tokens for r in got] == baseline, load_async
+        assert stats["read_timeouts"] >= 1 and stats["hits_disk"] == 0 and stats["corrupt_records"] == 0
+        assert took < 60, took  # (without the timeout: never, had the hang not ended at 120 s)
+    with Engine(tiny_model, kv_transfer_config(store_dir, backend="files")) as e:
+        again = e.generate(P, max_tokens=10)
+    assert [r.tokens for r in again] == baseline
+    assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 32 * 32 for p in P]
+
+
 def test_tiny_disk_budget_keeps_serving_correctly(tiny_model: Path, store_dir: Path,
                                                   baseline: list[list[int]]) -> None:
     cfg = kv_transfer_config(store_dir, disk_bytes="300K", host_bytes=0, write_queue_bytes="300K")

@@ -323,6 +323,39 @@ def test_a_load_whose_request_was_aborted_stops_reading(tmp_path: Path) -> None:
         worker.close()
 
 
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_load_whose_read_hangs_gives_up_after_read_timeout(tmp_path: Path, sync: bool) -> None:
+    """A chunk read that never returns (a hung network mount) costs its load at most the
+    store's ``read_timeout_s``: what was read before it is copied, its blocks and the later
+    ones are reported failed (vLLM recomputes them), and the request is not held for good
+    (an asynchronous load was never reported; a synchronous one held the model's thread)."""
+    import dataclasses
+
+    from kvtier.testing.worker_rig import load_sync, wait_reported
+    from kvtier.vllm.metadata import KVTierMetadata
+
+    with _on_disk(tmp_path, 4, 16, read_timeout_s=0.4) as (store, worker, keys):
+        hung = threading.Event()
+        reads = _slow_reads(store, hung)  # (reads past the second hang)
+        spec = _load_spec("a", keys, 8 * PER_CHUNK)
+        worker.take_stats()
+        t = time.monotonic()
+        if sync:
+            load_sync(worker, [dataclasses.replace(spec, sync=True)])
+        else:
+            worker.start_loads(KVTierMetadata(loads=[spec]))
+            wait_reported(worker, "a", timeout=30)
+        took = time.monotonic() - t
+        hung.set()
+        assert 0.4 <= took < 5.0, took
+        assert len(reads) >= 3
+        assert worker.take_load_errors() == {b for chunk in spec.chunks[2:] for b in chunk.block_ids}
+        stats = worker.take_stats()
+        assert stats["load_tokens"] == 2 * G.chunk_tokens  # the two read before it were copied
+        assert stats["store_read_timeouts"] == 1 and "store_corrupt_records" not in stats
+        worker.close()
+
+
 def test_a_finished_load_whose_copies_cannot_be_marked_is_still_reported(tmp_path: Path) -> None:
     """The event after an asynchronous load's last copies cannot be recorded (a CUDA error,
     which vLLM does not survive): the error reaches the caller, and the load, which has left
