@@ -15,6 +15,7 @@ rounded down to ``tail_granularity`` tokens, so an exact re-sent sequence hits i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -195,11 +196,13 @@ class KVCache:
             # tensors it needs cost an allocation each, slower than the disk here).
             got = self.store.load_into([ref.key for ref in hits], dsts)
             return out if got == len(hits) else self._prefix(out, hits[got].start)
-        for ref, dst in zip(hits, dsts, strict=True):  # small: through the host tier, for reuse
-            chunk = self.store.get(ref.key)
-            if chunk is None or tuple(chunk.shape) != tuple(dst.shape) or chunk.dtype != dst.dtype:
-                return self._prefix(out, ref.start)
-            dst.copy_(chunk)
+        # small: through the host tier, for reuse; in parallel, each read bounded by read_timeout_s
+        with contextlib.closing(self.store.load_many([ref.key for ref in hits])) as reads:
+            for ref, dst in zip(hits, dsts, strict=True):
+                chunk = next(reads).tensor
+                if chunk is None or tuple(chunk.shape) != tuple(dst.shape) or chunk.dtype != dst.dtype:
+                    return self._prefix(out, ref.start)
+                dst.copy_(chunk)
         return out
 
     def _prefix(self, kv: torch.Tensor, n: int) -> torch.Tensor:

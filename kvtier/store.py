@@ -198,8 +198,10 @@ class ChunkStore:
         self._usage_at_close: dict[str, int] = {}  # the disk part of stats(), read at close
         self._exit_flush_gave_up = False  # (see _flush_stores_at_exit)
         self._loads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-load")
-        self._stuck_reads = 0  # reads given up on (read_timeout_s) that still hold an I/O thread
-        self._stuck_lock = threading.Lock()
+        # I/O thread -> when its read of the persistent tier began (see _stuck_reads)
+        self._reads_since: dict[int, float] = {}
+        # the store's own chores (orphan sweeps, budget checks): never in the way of a read
+        self._chores = ThreadPoolExecutor(1, thread_name_prefix="kvtier-chores")
         self._start_writer()
         _LIVE_STORES.add(self)
 
@@ -209,6 +211,12 @@ class ChunkStore:
         store opened before forking keeps working in the child instead of hanging."""
         if self._closed:
             return
+        # torch's own after-fork handler leaves its intra-op thread pool to be rebuilt by the
+        # first thread that asks for it; two of this store's threads asking at once can find
+        # none ("Invalid thread pool!", a load failed: 6 forks in 3,000 with 8 threads copying
+        # at once). Rebuilt here, while this is the child's only thread: none in 3,000.
+        with contextlib.suppress(Exception):  # (a torch without the pool: nothing to rebuild)
+            torch.set_num_threads(torch.get_num_threads())
         self._cv = threading.Condition()
         self._deferred = threading.local()  # (the forking thread's put_batch does not go on here)
         self._pending, self._queue, self._touched = {}, [], {}
@@ -220,7 +228,8 @@ class ChunkStore:
         # the parent's sockets and upload thread are not ours: connect afresh
         self.remote = open_remote(self.config, self.counters, writer=not self.readonly)
         self._loads = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-load")
-        self._stuck_reads, self._stuck_lock = 0, threading.Lock()  # (the parent's stuck threads are not ours)
+        self._reads_since = {}  # (the parent's threads are not ours)
+        self._chores = ThreadPoolExecutor(1, thread_name_prefix="kvtier-chores")
         self._start_writer(register=False)  # registers on its first save: many children never save
 
     def _start_writer(self, *, register: bool = True) -> None:
@@ -565,8 +574,8 @@ class ChunkStore:
             return
         with contextlib.suppress(RuntimeError):  # closing: the next writer to open does these
             if gone is not None:
-                self._loads.submit(self._sweep_orphans, set(gone))
-            self._loads.submit(self._enforce_budget)
+                self._chores.submit(self._sweep_orphans, set(gone))
+            self._chores.submit(self._enforce_budget)
 
     def _enforce_budget(self) -> None:
         """Evict down to the store's budget if it is over it: commits evict, but a budget
@@ -671,18 +680,23 @@ class ChunkStore:
         are unspecified unless the outcome is a hit), which saves a copy of the record."""
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise TypeError(f"load: key must be {KEY_BYTES} bytes, got {_kind_of(key)}")
+        got = self._load_from_memory(key, out)
+        return got if got is not None else self._load_from_backend(key, out, out_is_scratch)
+
+    def _load_from_memory(self, key: bytes, out: torch.Tensor | None) -> Loaded | None:
+        """A hit from the host tier or the write queue, or None."""
         t = self.host.get(key)
         if t is None:
             pending = self._pending.get(key)
             t = pending.tensor if pending is not None else None
-        if t is not None:
-            self.counters.add(hits_host=1, bytes_loaded=t.numel() * t.element_size())
-            self.touch((key,))
-            if out is not None:
-                out.copy_(t)
-                t = out
-            return Loaded(Outcome.HIT, t)
-        return self._load_from_backend(key, out, out_is_scratch)
+        if t is None:
+            return None
+        self.counters.add(hits_host=1, bytes_loaded=t.numel() * t.element_size())
+        self.touch((key,))
+        if out is not None:
+            out.copy_(t)
+            t = out
+        return Loaded(Outcome.HIT, t)
 
     def _load_from_backend(self, key: bytes, out: torch.Tensor | None, out_is_scratch: bool,
                            record: tuple[EntryInfo, memoryview] | None = None) -> Loaded:
@@ -848,12 +862,17 @@ class ChunkStore:
                     fut.cancel()
 
     def _submit_read(self, key: bytes) -> tuple[bytes, Future[Loaded] | None, float]:
-        """A read on the I/O pool, with its deadline; no future where every I/O thread is
-        held by a read given up on (a new one would only queue behind them)."""
-        timeout = float(self.config.read_timeout_s)
-        if self._stuck_reads >= self.config.io_threads:
+        """A read of ``key``, ahead of its turn, and its deadline: from memory at once (the
+        host tier, the write queue), else on the I/O pool; none where every I/O thread is held
+        by a read older than ``read_timeout_s`` (it would only queue behind them)."""
+        hit = self._load_from_memory(key, None)
+        if hit is not None:
+            done: Future[Loaded] = Future()
+            done.set_result(hit)
+            return key, done, 0.0
+        if self._stuck_reads() >= self.config.io_threads:
             return key, None, 0.0
-        return key, self._submit(self._load_guarded, key), time.monotonic() + timeout
+        return key, self._submit(self._load_guarded, key), time.monotonic() + float(self.config.read_timeout_s)
 
     def _read_result(self, key: bytes, fut: Future[Loaded] | None, deadline: float) -> Loaded:
         """What a read of :meth:`_submit_read` found, waiting at most until its deadline."""
@@ -871,15 +890,15 @@ class ChunkStore:
                 f"not begun within read_timeout_s ({timeout:g} s): every I/O thread was busy"))
         if fut.done():  # (it returned just now)
             return self._result(fut)
-        with self._stuck_lock:
-            self._stuck_reads += 1
-        fut.add_done_callback(self._stuck_read_returned)
         return self._failed(Outcome.TIMED_OUT, key, TimeoutError(
             f"no answer within read_timeout_s ({timeout:g} s); the read goes on in the background"))
 
-    def _stuck_read_returned(self, _: Future[Loaded]) -> None:
-        with self._stuck_lock:
-            self._stuck_reads -= 1
+    def _stuck_reads(self) -> int:
+        """I/O threads in a read of the persistent tier that began over ``read_timeout_s``
+        ago, whether or not anyone still waits for it (a caller that gave up on a load leaves
+        its other reads running)."""
+        since = time.monotonic() - float(self.config.read_timeout_s)
+        return sum(began < since for began in tuple(self._reads_since.values()))
 
     def _submit(self, fn: Callable[..., object], *args: object) -> Future[Any]:
         """``fn`` on the I/O pool; a pool that refuses (the store was closed meanwhile, or
@@ -899,11 +918,18 @@ class ChunkStore:
     def _load_guarded(self, key: bytes, out: torch.Tensor | None = None, *,
                       out_is_scratch: bool = False) -> Loaded:
         """:meth:`load` for the I/O pool: an unexpected exception (a destination that does
-        not take the host tier's copy, a bug) is an ``IO_ERROR`` outcome, never raised."""
+        not take the host tier's copy, a bug) is an ``IO_ERROR`` outcome, never raised. How
+        long each I/O thread has been in its read is kept (``_stuck_reads``)."""
+        me = threading.get_ident() if threading.current_thread().name.startswith("kvtier-load") else None
+        if me is not None:
+            self._reads_since[me] = time.monotonic()
         try:
             return self.load(key, out, out_is_scratch=out_is_scratch)
         except Exception as exc:  # defensive: load() turns storage faults into outcomes
             return self._failed(Outcome.IO_ERROR, key, exc)
+        finally:
+            if me is not None:
+                self._reads_since.pop(me, None)
 
     def get_async(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None] | None = None
                   ) -> Future[list[torch.Tensor | None]]:
@@ -1069,7 +1095,9 @@ class ChunkStore:
         # shut the pool first: a sweep the writer's last beat submits either starts before
         # this (and is listed, so joined) or is refused
         self._loads.shutdown(wait=False, cancel_futures=True)
-        threads = [self._writer, self._committer, *getattr(self._loads, "_threads", ())]
+        self._chores.shutdown(wait=False, cancel_futures=True)
+        threads = [self._writer, self._committer, *getattr(self._loads, "_threads", ()),
+                   *getattr(self._chores, "_threads", ())]
         for t in threads:
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))

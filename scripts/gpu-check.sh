@@ -9,7 +9,8 @@
 #   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|storage-tests|all]   # default: all
 #
 # .gpu-wheels/ is gitignored: a tool that copies the working tree to the GPU machine must be
-# told to carry it along. Each part has a time limit (tests 300 s, gpu 420 s), so a hang
+# told to carry it along. Each part has a time limit (tests 300 s, gpu 420 s, store 240 s per
+# commit size: STORE_TIMEOUT; storage-tests none), so a hang
 # cannot use up a short lease; run the parts as separate commands (`;`, not `&&`).
 #
 # tests: tests/gpu; gpu: gpu_bench.py (GPU_ARGS: extra flags, e.g. "--contents kv_last
@@ -62,7 +63,7 @@ if [[ "$part" == store || "$part" == all ]]; then
   for mib in 256 128; do
     # STORE_ARGS: extra flags, e.g. "--chunks 4" for a quick check of this script
     # shellcheck disable=SC2086
-    "$python" benchmarks/storage_bench.py --backends files lmdb --skip-lookup --no-zstd --repeat 2 \
+    timeout "${STORE_TIMEOUT:-240}" "$python" benchmarks/storage_bench.py --backends files lmdb --skip-lookup --no-zstd --repeat 2 \
       --commit-mib "$mib" --json "$out/storage_bench_$mib.json" ${STORE_ARGS:-} 2>>"$log" \
       | tee "$out/storage_bench_$mib.md" | grep -E "^\| kvtier (files|lmdb)/power/(none|serial) |O_DIRECT. 32" || true
   done

@@ -649,26 +649,28 @@ class WorkerSide:
         # every chunk is read and verified, in parallel on the store's I/O pool, even past a
         # bad one (unused then: the prefix is broken), so corrupt records are found and
         # removed now and the recomputed KV replaces them
-        results = self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks], ahead)
-        for i, chunk in enumerate(spec.chunks):  # (no zip: its reused tuple would keep a chunk)
-            if self._closing:  # (shutting down: nobody takes the rest)
-                raise RuntimeError("the worker closed during a load")
-            if stop is not None and stop():  # (its request is gone: nobody takes the rest)
-                break
-            loaded = next(results)
-            if not self._usable(chunk, loaded):
-                for rest in spec.chunks[i:]:
-                    res.failed_blocks.extend(rest.block_ids)
-                if loaded.outcome is Outcome.TIMED_OUT:  # the rest would wait on the same storage
+        # (closed on the way out, also by an exception: the reads not begun are cancelled)
+        with contextlib.closing(self.store.load_many([chunk.keys[self.rank] for chunk in spec.chunks],
+                                                     ahead)) as results:
+            for i, chunk in enumerate(spec.chunks):  # (no zip: its reused tuple would keep a chunk)
+                if self._closing:  # (shutting down: nobody takes the rest)
+                    raise RuntimeError("the worker closed during a load")
+                if stop is not None and stop():  # (its request is gone: nobody takes the rest)
                     break
-                for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
-                    self._usable(rest, later)
-                    del later
-                    if self._closing or (stop is not None and stop()):
+                loaded = next(results)
+                if not self._usable(chunk, loaded):
+                    for rest in spec.chunks[i:]:
+                        res.failed_blocks.extend(rest.block_ids)
+                    if loaded.outcome is Outcome.TIMED_OUT:  # the rest would wait on the same storage
                         break
-                break
-            deliver((chunk, loaded.tensor))  # type: ignore[arg-type]
-            del loaded  # handed over: not kept while the next chunk is read
+                    for rest, later in zip(spec.chunks[i + 1:], results, strict=True):  # the rest, as said above
+                        self._usable(rest, later)
+                        del later
+                        if self._closing or (stop is not None and stop()):
+                            break
+                    break
+                deliver((chunk, loaded.tensor))  # type: ignore[arg-type]
+                del loaded  # handed over: not kept while the next chunk is read
         res.seconds = time.perf_counter() - t0
         return res
 
