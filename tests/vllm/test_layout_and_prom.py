@@ -103,6 +103,50 @@ def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str, lay
     assert rows.batches(chunks, 1, slots) == [[0], [1], [2]]  # (the stage always holds a whole chunk)
 
 
+@pytest.mark.parametrize(("content", "dtype", "dim", "offset", "wide"), [
+    ("kv_last", torch.bfloat16, 8, 0, [torch.int64]),
+    ("kv_last", torch.float32, 8, 0, [torch.int64]),
+    ("kv_last", torch.bfloat16, 6, 0, [torch.int32]),  # 12-byte runs: 4-byte elements
+    ("kv_last", torch.bfloat16, 3, 0, [torch.bfloat16]),  # 6-byte runs: as they are
+    ("kv_last", torch.bfloat16, 8, 1, [torch.bfloat16]),  # a layer 2 bytes into its buffer
+    ("cpu", torch.bfloat16, 8, 0, [torch.int64]),
+    ("cpu_kt", torch.bfloat16, 8, 0, [torch.bfloat16, torch.int64]),  # K is [D, N]: its dim not contiguous
+])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_blocks_move_as_wide_elements_where_the_layout_allows_and_stay_bit_exact(
+        content: str, dtype: torch.dtype, dim: int, offset: int, wide: list[torch.dtype], layers: int) -> None:
+    """Gathers and scatters index 8-byte (else 4-byte) elements where the strides allow (a
+    quarter of the elements to index for bf16: 1.9x faster on the CPU), and the element type
+    they had elsewhere. Either way every bit comes back: arbitrary bit patterns (NaNs with
+    payloads, negative zeros) through a batch of chunks, straight and through the scratch."""
+    def layer() -> torch.Tensor:
+        bits = torch.randint(-2**15, 2**15, ((B * H * N * 2 * dim + offset) * dtype.itemsize // 2,), dtype=torch.int16)
+        return bits.view(dtype)[offset:].view(B, H, N, 2 * dim)
+
+    kvs = [layer() for _ in range(layers)]
+    views = [blocks_view(kv, content, dim) for kv in kvs]
+    rows = BlockRows(views[0])
+    assert [t.dtype for t in rows.tables(views[0])] == wide
+    chunks = [[4, 1], [3], [0, 5, 2]]
+    lists, sizes = rows.id_lists(chunks, layers)
+    plan = rows.plan(chunks, [torch.tensor(ids) for ids in lists], sizes, layers)
+    stage = torch.zeros((plan.stage_rows, *rows.row_shape), dtype=dtype)
+    restored = [torch.zeros_like(kv) for kv in kvs]
+    for slot in range(layers):
+        BlockRows.gather(rows.tables(views[slot]), plan, stage, slot)
+    for slot in range(layers):
+        BlockRows.scatter(rows.tables(blocks_view(restored[slot], content, dim)), plan, stage, slot)
+    for kv, back in zip(kvs, restored, strict=True):
+        bits, back_bits = kv.contiguous().view(torch.int16), back.view(torch.int16)
+        assert torch.equal(back_bits[[0, 1, 2, 3, 4, 5]], bits[[0, 1, 2, 3, 4, 5]])
+    one = torch.empty(2, 2 * N, H, dim, dtype=dtype)  # and one chunk, as tools copy it
+    gather_blocks(views[0], [4, 1], one)
+    again = torch.zeros_like(kvs[0])
+    scatter_blocks(blocks_view(again, content, dim), [4, 1], one)
+    assert torch.equal(again[[4, 1]].view(torch.int16), kvs[0][[4, 1]].contiguous().view(torch.int16))
+    assert not again[[0, 2, 3, 5]].view(torch.int16).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_layout_is_probed_and_read_right(dtype: torch.dtype) -> None:
     """vLLM's own CPU cache-write op, with the kernel ISA vLLM picks on this machine: the
