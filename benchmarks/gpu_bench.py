@@ -34,6 +34,10 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
 - a synchronous load (``load_async: false``) of ``--chunks`` chunks from the host tier
   followed by the forward pass that uses them, each layer waiting only for its own copies:
   the step's time against the load's and the forward pass's added up (above 1x: overlap);
+- the side stream's indexing ops alone: one layer's gather and scatter of a prefill step's
+  chunks (blocks spread over the cache), indexed as the KV's own element type and as kvtier
+  indexes them (8-byte elements where the layout allows), beside a plain device copy of the
+  same bytes;
 - buffers allocated during the measured (warm) steps: pool slots and index buffers;
 - the worker's start, which reserves the whole pool (``host_bytes + write_queue_bytes``).
 Targets (issue 7) are checked only on CUDA; a CPU run says so.
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -64,6 +69,7 @@ from kvtier.testing.worker_rig import (  # noqa: E402
     Geometry,
     ensure_metadata_base,
     load_sync,
+    make_kv_caches,
     make_worker,
     save_step,
     wait_reported,
@@ -207,6 +213,63 @@ def raw_piece_copies(device: torch.device, total: int, piece: int, offset: int, 
             dev[i * piece : (i + 1) * piece].copy_(host[i * piece : (i + 1) * piece], non_blocking=pin)
 
     return n * piece / timed(d2h, device, repeat) / 1e9, n * piece / timed(h2d, device, repeat) / 1e9
+
+
+def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, repeat: int) -> dict[str, float]:
+    """GB/s of one layer's gather (blocks -> stage) and scatter (stage -> blocks) of ``chunks``
+    chunks whose blocks lie shuffled over the cache (as a serving engine's do), with the tables
+    indexed as the KV's own element type (``*_native``) and as kvtier indexes them
+    (``block_rows.widened``), and of a plain device copy of the same bytes: what the side
+    stream's indexing costs the device, and what the wider elements save. Timed on the device
+    (CUDA events over 20 ops) or the wall clock (the CPU); the best of ``repeat``."""
+    from kvtier.vllm.block_rows import BlockRows
+    from kvtier.vllm.layout import blocks_view
+
+    per_chunk = g.chunk_tokens // g.block_size
+    blocks = 2 * chunks * per_chunk
+    (kv,) = make_kv_caches(Geometry(**{**g.__dict__, "layers": 1, "num_blocks": blocks}), content, device).values()
+    kv.copy_(torch.randn(kv.shape, device=device).to(kv.dtype))
+    view = blocks_view(kv, content, g.head_dim)
+    rows = BlockRows(view)
+    ids = torch.randperm(blocks)[: chunks * per_chunk].tolist()
+    block_lists = [ids[i * per_chunk : (i + 1) * per_chunk] for i in range(chunks)]
+    lists, sizes = rows.id_lists(block_lists)
+    plan = rows.plan(block_lists, [torch.tensor(ix, dtype=torch.long, device=device) for ix in lists], sizes)
+    stage = torch.empty((plan.stage_rows, *rows.row_shape), dtype=g.dtype, device=device)
+    nbytes = plan.total * math.prod(rows.row_shape) * g.dtype.itemsize
+    wide = rows.tables(view)
+    native = [t.view(g.dtype) for t in wide]
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ops = {"gather_native": lambda: BlockRows.gather(native, plan, stage),
+           "gather_wide": lambda: BlockRows.gather(wide, plan, stage),
+           "scatter_native": lambda: BlockRows.scatter(native, plan, stage),
+           "scatter_wide": lambda: BlockRows.scatter(wide, plan, stage),
+           "device_copy": lambda: dst.copy_(src)}
+    out: dict[str, float] = {}
+    n = 20
+    for name, op in ops.items():
+        op()  # (a kernel's first launch loads its code)
+        best = float("inf")
+        for _ in range(repeat):
+            sync(device)
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(n):
+                    op()
+                b.record()
+                b.synchronize()
+                took = a.elapsed_time(b) / 1e3
+            else:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    op()
+                took = time.perf_counter() - t0
+            best = min(best, took / n)
+        out[f"{name}_gbs"] = nbytes / best / 1e9
+    out["index_layer_mib"] = nbytes / 2**20
+    out["index_wide_type"] = str(wide[-1].dtype).removeprefix("torch.")
+    return out
 
 
 def raw_disk_read(files: list[Path]) -> float:
@@ -542,6 +605,7 @@ def main() -> None:
         pieces = {f"{mib:g} MiB at +{off} B": raw_piece_copies(device, chunks * g.chunk_bytes, int(mib * 2**20), off,
                                                              args.repeat)
                   for mib in (1, 8) for off in (0, lead)}
+        indexing = {c: index_rates(c, g, device, chunks, args.repeat) for c in args.contents}
         rows = []
         for c in args.contents:
             for mib, save_mib in [(m, sm) for m in args.copy_mib for sm in args.save_copy_mib]:
@@ -557,7 +621,8 @@ def main() -> None:
                 shutil.rmtree(root / "run", ignore_errors=True)
                 if args.json:  # (what is measured so far survives a later row's failure)
                     Path(args.json).write_text(json.dumps({"partial": True, "d2h_gbs": d2h, "h2d_gbs": h2d,
-                                                           "raw_pieces": pieces, "rows": rows}, indent=1))
+                                                           "raw_pieces": pieces, "indexing": indexing, "rows": rows},
+                                                          indent=1))
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -567,7 +632,12 @@ def main() -> None:
           f"{chunks} chunks per prefill step")
     print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)")
     print("raw copies by size and host offset (D2H / H2D GB/s; a pooled chunk starts a record header "
-          "into its slot): " + "; ".join(f"{k}: {a:.2f} / {b:.2f}" for k, (a, b) in pieces.items()) + "\n")
+          "into its slot): " + "; ".join(f"{k}: {a:.2f} / {b:.2f}" for k, (a, b) in pieces.items()))
+    print("indexing ops on the device, one layer of a step's chunks (GB/s; the KV's own element type -> "
+          "kvtier's wider one; a plain device copy of the same bytes): " + "; ".join(
+              f"{c} ({x['index_layer_mib']:.1f} MiB, {x['index_wide_type']}): gather {x['gather_native_gbs']:.1f} -> "
+              f"{x['gather_wide_gbs']:.1f}, scatter {x['scatter_native_gbs']:.1f} -> {x['scatter_wide_gbs']:.1f}, "
+              f"copy {x['device_copy_gbs']:.1f}" for c, x in indexing.items()) + "\n")
     print("| content (layers per copy: loads, saves; device stage) | save GB/s (vs D2H) | save on the device (vs D2H); host ms "
           "| host-tier load GB/s (vs H2D) | host-tier load on the device (vs H2D); host ms | cold load GB/s (vs disk read) "
           "| cold load, asynchronous | cold load with direct_reads (O_DIRECT) | prefill overhead; host time in hooks "
@@ -628,7 +698,8 @@ def main() -> None:
         print("\nCPU run: the targets of issue 7 are GPU targets; these figures check the code path only.")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "args": vars(args), "d2h_gbs": d2h, "h2d_gbs": h2d,
-                                                 "raw_pieces": pieces, "rows": rows}, indent=1, default=str))
+                                                 "raw_pieces": pieces, "indexing": indexing, "rows": rows},
+                                                indent=1, default=str))
 
 
 if __name__ == "__main__":

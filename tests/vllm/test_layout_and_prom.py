@@ -116,7 +116,7 @@ def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str, lay
 def test_blocks_move_as_wide_elements_where_the_layout_allows_and_stay_bit_exact(
         content: str, dtype: torch.dtype, dim: int, offset: int, wide: list[torch.dtype], layers: int) -> None:
     """Gathers and scatters index 8-byte (else 4-byte) elements where the strides allow (a
-    quarter of the elements to index for bf16: 1.9x faster on the CPU), and the element type
+    quarter of the elements to index for bf16), and the element type
     they had elsewhere. Either way every bit comes back: arbitrary bit patterns (NaNs with
     payloads, negative zeros) through a batch of chunks, straight and through the scratch."""
     def layer() -> torch.Tensor:

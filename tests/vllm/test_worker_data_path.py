@@ -585,6 +585,10 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["pool_slots"] <= r["pool_cap_slots"] and r["dropped_saves"] == 0
         assert r["save_gbs"] > 0 and r["host_load_gbs"] > 0 and r["cold_load_gbs"] > 0
         assert r["cold_load_async_gbs"] > 0
+    indexing = json.loads(out.read_text())["indexing"]
+    for c in ("kv_last", "cpu"):  # the smoke geometry is float32: gathered as int64
+        assert indexing[c]["index_wide_type"] == "int64" and indexing[c]["gather_wide_gbs"] > 0
+    assert "indexing ops on the device" in res.stdout
 
 
 def test_the_gpu_benchmark_reads_a_saves_device_costs_from_a_trace(tmp_path: Path) -> None:
