@@ -35,7 +35,7 @@ A gather or scatter only moves bytes, so the tables and the stage are indexed as
 elements where their layout allows (:func:`widened`): PyTorch's indexing kernels do their
 work per element, and a bf16 row read as int64 is a quarter of the elements. The bytes are
 the same. On this project's CPU machines, for a Llama-3-8B layer of 16 chunks, the scatter
-(``index_copy_``) ran 1.2-1.3x faster and the gather (already at memory speed there) the
+(``index_copy_``) ran 1.2-1.45x faster and the gather (already at memory speed there) the
 same; on a GPU, where each element is a thread's load, not yet measured.
 
 The same code runs on the CPU, where the stage is a host tensor and each copy is immediate.
