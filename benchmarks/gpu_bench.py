@@ -4,6 +4,7 @@
     python benchmarks/gpu_bench.py                    # CUDA if present, else the CPU
     python benchmarks/gpu_bench.py --device cpu --smoke   # tiny geometry: what CI runs
     python benchmarks/gpu_bench.py --json out.json
+    python benchmarks/gpu_bench.py --device cpu --chunks 16 --index-only   # the indexing ops alone
 
 Drives the real ``WorkerSide`` + ``ChunkStore`` (files backend) over synthetic paged KV
 caches laid out as the attention backends lay them out (``kv_last``: FlashAttention;
@@ -220,8 +221,8 @@ def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, re
     chunks whose blocks lie shuffled over the cache (as a serving engine's do), with the tables
     indexed as the KV's own element type (``*_native``) and as kvtier indexes them
     (``block_rows.widened``), and of a plain device copy of the same bytes: what the side
-    stream's indexing costs the device, and what the wider elements save. Timed on the device
-    (CUDA events over 20 ops) or the wall clock (the CPU); the best of ``repeat``."""
+    stream's indexing costs the device, and what the wider elements save. Each op 50 times in
+    a row, the best of ``repeat`` (see :func:`timed`)."""
     from kvtier.vllm.block_rows import BlockRows
     from kvtier.vllm.layout import blocks_view
 
@@ -246,30 +247,22 @@ def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, re
            "scatter_wide": lambda: BlockRows.scatter(wide, plan, stage),
            "device_copy": lambda: dst.copy_(src)}
     out: dict[str, float] = {}
-    n = 20
+    n = 50
     for name, op in ops.items():
         op()  # (a kernel's first launch loads its code)
-        best = float("inf")
-        for _ in range(repeat):
-            sync(device)
-            if device.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(n):
-                    op()
-                b.record()
-                b.synchronize()
-                took = a.elapsed_time(b) / 1e3
-            else:
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    op()
-                took = time.perf_counter() - t0
-            best = min(best, took / n)
-        out[f"{name}_gbs"] = nbytes / best / 1e9
+        out[f"{name}_gbs"] = n * nbytes / timed(lambda op=op: [op() for _ in range(n)], device, repeat) / 1e9
     out["index_layer_mib"] = nbytes / 2**20
     out["index_wide_type"] = str(wide[-1].dtype).removeprefix("torch.")
     return out
+
+
+def indexing_line(indexing: dict[str, dict[str, float]], chunks: int) -> str:
+    """What :func:`index_rates` measured, per content layout, as one line."""
+    return (f"indexing ops on the device, one layer of {chunks} chunks (GB/s; the KV's own element type -> "
+            "kvtier's wider one; a plain device copy of the same bytes): " + "; ".join(
+                f"{c} ({x['index_layer_mib']:.1f} MiB, {x['index_wide_type']}): gather {x['gather_native_gbs']:.1f} -> "
+                f"{x['gather_wide_gbs']:.1f}, scatter {x['scatter_native_gbs']:.1f} -> {x['scatter_wide_gbs']:.1f}, "
+                f"copy {x['device_copy_gbs']:.1f}" for c, x in indexing.items()))
 
 
 def raw_disk_read(files: list[Path]) -> float:
@@ -582,6 +575,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", help="work directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--index-only", action="store_true",
+                    help="only the indexing ops (gather and scatter of one layer, both element types), then stop")
     args = ap.parse_args()
     ensure_metadata_base()
     device = torch.device(args.device)
@@ -599,13 +594,18 @@ def main() -> None:
         g = Geometry(**{**g.__dict__, "chunk_tokens": args.chunk_tokens})
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-gpu-bench-"))
     root.mkdir(parents=True, exist_ok=True)
+    indexing = {c: index_rates(c, g, device, chunks, args.repeat) for c in args.contents}
+    if args.index_only:
+        print(indexing_line(indexing, chunks))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "indexing": indexing}, indent=1, default=str))
+        return
     try:
         d2h, h2d = raw_copies(g, device, chunks, args.repeat)
         lead = codec.record_lead((g.layers, 2, g.chunk_tokens, g.kv_heads, g.head_dim), g.dtype)
         pieces = {f"{mib:g} MiB at +{off} B": raw_piece_copies(device, chunks * g.chunk_bytes, int(mib * 2**20), off,
                                                              args.repeat)
                   for mib in (1, 8) for off in (0, lead)}
-        indexing = {c: index_rates(c, g, device, chunks, args.repeat) for c in args.contents}
         rows = []
         for c in args.contents:
             for mib, save_mib in [(m, sm) for m in args.copy_mib for sm in args.save_copy_mib]:
@@ -633,11 +633,7 @@ def main() -> None:
     print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)")
     print("raw copies by size and host offset (D2H / H2D GB/s; a pooled chunk starts a record header "
           "into its slot): " + "; ".join(f"{k}: {a:.2f} / {b:.2f}" for k, (a, b) in pieces.items()))
-    print("indexing ops on the device, one layer of a step's chunks (GB/s; the KV's own element type -> "
-          "kvtier's wider one; a plain device copy of the same bytes): " + "; ".join(
-              f"{c} ({x['index_layer_mib']:.1f} MiB, {x['index_wide_type']}): gather {x['gather_native_gbs']:.1f} -> "
-              f"{x['gather_wide_gbs']:.1f}, scatter {x['scatter_native_gbs']:.1f} -> {x['scatter_wide_gbs']:.1f}, "
-              f"copy {x['device_copy_gbs']:.1f}" for c, x in indexing.items()) + "\n")
+    print(indexing_line(indexing, chunks) + "\n")
     print("| content (layers per copy: loads, saves; device stage) | save GB/s (vs D2H) | save on the device (vs D2H); host ms "
           "| host-tier load GB/s (vs H2D) | host-tier load on the device (vs H2D); host ms | cold load GB/s (vs disk read) "
           "| cold load, asynchronous | cold load with direct_reads (O_DIRECT) | prefill overhead; host time in hooks "

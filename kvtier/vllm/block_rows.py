@@ -35,8 +35,8 @@ A gather or scatter only moves bytes, so the tables and the stage are indexed as
 elements where their layout allows (:func:`widened`): PyTorch's indexing kernels do their
 work per element, and a bf16 row read as int64 is a quarter of the elements. The bytes are
 the same. On this project's CPU machines, for a Llama-3-8B layer of 16 chunks, the scatter
-(``index_copy_``) ran 1.2-1.45x faster and the gather (already at memory speed there) the
-same; on a GPU, where each element is a thread's load, not yet measured.
+(``index_copy_``) ran 1.3-1.47x faster and the gather the same; on a GPU, where each
+element is a thread's load, not yet measured.
 
 The same code runs on the CPU, where the stage is a host tensor and each copy is immediate.
 """
@@ -79,6 +79,7 @@ class RowPlan(NamedTuple):
     blocks: list[int]  # blocks per chunk
     total: int  # rows per layer, all chunks
     layers: int  # layer slots per chunk
+    stage_type: torch.dtype  # the stage's element type for moves between slots (see widened)
 
     @property
     def stage_rows(self) -> int:
@@ -126,11 +127,14 @@ class BlockRows:
         self._packed = view if isinstance(view, PermutedBlocks) else None
         self.permuted = self._packed is not None
         self.dtype = view.flat.dtype if isinstance(view, PermutedBlocks) else view[0].dtype  # (the stage's)
+        sample = view.flat if isinstance(view, PermutedBlocks) else view[0]
+        self.device = sample.device
         if isinstance(view, PermutedBlocks):
             self.block_size = view.n
             self.row_shape = tuple(view.flat.shape[1:])
             self._parts: list[tuple[int, int, int, int]] = [(1, 0, 1, 0)]
             self.planes = 2
+            self._stage_type()
             return
         self._parts = []  # per view part: block_step, plane_step, planes, first plane
         plane = 0
@@ -143,6 +147,12 @@ class BlockRows:
         self.planes = plane
         self.row_shape = tuple(view[0].shape[2:])
         self.block_size = view[0].shape[2]
+        self._stage_type()
+
+    def _stage_type(self) -> None:
+        """The stage's element type for moves between its slots: it is contiguous, so only
+        its rows' last dimension decides (decided once, not per copy)."""
+        self.stage_type = widened(torch.empty((1, *self.row_shape), dtype=self.dtype, device="meta")).dtype
 
     def tables(self, view: LayerView) -> list[torch.Tensor]:
         """One layer's view as row tables (views of its memory, :func:`widened`; built once
@@ -223,7 +233,8 @@ class BlockRows:
              layers: int = 1) -> RowPlan:
         tables = len(self._parts)
         slots = list(uploaded[tables:]) if self.scratch(layers) else None
-        return RowPlan(list(uploaded[:tables]), slots, sizes, [len(ids) for ids in block_lists], sum(sizes), layers)
+        return RowPlan(list(uploaded[:tables]), slots, sizes, [len(ids) for ids in block_lists], sum(sizes), layers,
+                       self.stage_type)
 
     # -- copies (enqueued on the caller's stream) ---------------------------------------
     @staticmethod
@@ -238,8 +249,8 @@ class BlockRows:
         for table, rows in zip(tables, plan.rows, strict=True):
             torch.index_select(table, 0, rows, out=_as(scratch.narrow(0, at, rows.shape[0]), table))
             at += rows.shape[0]
-        slots = widened(stage.narrow(0, 0, plan.layers * plan.total))
-        slots.index_copy_(0, plan.slots[slot], _as(scratch, slots))
+        slots = stage.narrow(0, 0, plan.layers * plan.total).view(plan.stage_type)
+        slots.index_copy_(0, plan.slots[slot], scratch.view(plan.stage_type))
 
     @staticmethod
     def scatter(tables: list[torch.Tensor], plan: RowPlan, stage: torch.Tensor, slot: int = 0) -> None:
@@ -249,8 +260,8 @@ class BlockRows:
             tables[0].index_copy_(0, plan.rows[0], _as(stage.narrow(0, 0, plan.total), tables[0]))
             return
         scratch = stage.narrow(0, plan.layers * plan.total, plan.total)
-        slots = widened(stage.narrow(0, 0, plan.layers * plan.total))
-        torch.index_select(slots, 0, plan.slots[slot], out=_as(scratch, slots))
+        slots = stage.narrow(0, 0, plan.layers * plan.total).view(plan.stage_type)
+        torch.index_select(slots, 0, plan.slots[slot], out=scratch.view(plan.stage_type))
         at = 0
         for table, rows in zip(tables, plan.rows, strict=True):
             table.index_copy_(0, rows, _as(scratch.narrow(0, at, rows.shape[0]), table))
@@ -320,7 +331,6 @@ def scatter_blocks(view: LayerView, block_ids: Sequence[int], src: torch.Tensor)
 
 def _one_chunk(view: LayerView, block_ids: Sequence[int]) -> tuple[BlockRows, torch.Tensor, RowPlan]:
     rows = BlockRows(view)
-    device = rows.tables(view)[0].device
     lists, sizes = rows.id_lists([list(block_ids)])
-    plan = rows.plan([block_ids], [torch.tensor(ids, dtype=torch.long, device=device) for ids in lists], sizes)
-    return rows, torch.empty((plan.stage_rows, *rows.row_shape), dtype=rows.dtype, device=device), plan
+    plan = rows.plan([block_ids], [torch.tensor(ids, dtype=torch.long, device=rows.device) for ids in lists], sizes)
+    return rows, torch.empty((plan.stage_rows, *rows.row_shape), dtype=rows.dtype, device=rows.device), plan

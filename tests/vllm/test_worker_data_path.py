@@ -589,6 +589,10 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     for c in ("kv_last", "cpu"):  # the smoke geometry is float32: gathered as int64
         assert indexing[c]["index_wide_type"] == "int64" and indexing[c]["gather_wide_gbs"] > 0
     assert "indexing ops on the device" in res.stdout
+    only = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--device", "cpu", "--smoke",
+                           "--index-only", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert only.returncode == 0, only.stderr[-2000:]
+    assert set(json.loads(out.read_text())["indexing"]) == {"kv_last", "cpu"} and "rows" not in out.read_text()
 
 
 def test_the_gpu_benchmark_reads_a_saves_device_costs_from_a_trace(tmp_path: Path) -> None:
