@@ -36,9 +36,13 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
   followed by the forward pass that uses them, each layer waiting only for its own copies:
   the step's time against the load's and the forward pass's added up (above 1x: overlap);
 - the side stream's indexing ops alone: one layer's gather and scatter of a prefill step's
-  chunks (blocks spread over the cache), indexed as the KV's own element type and as kvtier
-  indexes them (8-byte elements where the layout allows), beside a plain device copy of the
-  same bytes;
+  chunks (blocks spread over the cache), indexed as the KV's own element type and as each
+  wider one the layout allows (kvtier takes the widest: 16-byte elements for a bf16 head of
+  128), beside a plain device copy of the same bytes;
+- what a save's side-stream work costs a forward pass beside it, part by part: each layer
+  followed on the side stream by that layer's gather alone (each element type), its copies
+  to pinned host memory alone, or both as kvtier does them, the forward pass timed on the
+  compute stream (which of them, if any, delays the model's next kernels);
 - buffers allocated during the measured (warm) steps: pool slots and index buffers;
 - the worker's start, which reserves the whole pool (``host_bytes + write_queue_bytes``).
 Targets (issue 7) are checked only on CUDA; a CPU run says so.
@@ -56,6 +60,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -75,6 +80,7 @@ from kvtier.testing.worker_rig import (  # noqa: E402
     save_step,
     wait_reported,
 )
+from kvtier.vllm.block_rows import BlockRows, RowPlan  # noqa: E402
 
 TARGETS = {"overhead_prefill": 0.03, "overhead_decode": 0.03, "overhead_decode_graph": 0.03, "save_vs_d2h": 0.8,
            "host_load_vs_h2d": 0.8,
@@ -216,14 +222,20 @@ def raw_piece_copies(device: torch.device, total: int, piece: int, offset: int, 
     return n * piece / timed(d2h, device, repeat) / 1e9, n * piece / timed(h2d, device, repeat) / 1e9
 
 
-def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, repeat: int) -> dict[str, float]:
-    """GB/s of one layer's gather (blocks -> stage) and scatter (stage -> blocks) of ``chunks``
-    chunks whose blocks lie shuffled over the cache (as a serving engine's do), with the tables
-    indexed as the KV's own element type (``*_native``) and as kvtier indexes them
-    (``block_rows.widened``), and of a plain device copy of the same bytes: what the side
-    stream's indexing costs the device, and what the wider elements save. Each op 50 times in
-    a row, the best of ``repeat`` (see :func:`timed`)."""
-    from kvtier.vllm.block_rows import BlockRows
+class LayerRig(NamedTuple):
+    """One layer's KV cache and a prefill step's save of ``chunks`` chunks of it, blocks
+    shuffled over the cache (as a serving engine's are): the side stream's ops, set up once."""
+
+    rows: BlockRows
+    plan: RowPlan
+    stage: torch.Tensor
+    by_type: dict[torch.dtype, list[torch.Tensor]]  # the tables as each element type, the KV's own first
+    kvtier_type: torch.dtype  # the one kvtier indexes them as (the widest the layout allows)
+    nbytes: int  # the layer's bytes of all the chunks
+
+
+def layer_rig(content: str, g: Geometry, device: torch.device, chunks: int) -> LayerRig:
+    from kvtier.vllm.block_rows import WIDE_TYPES, widened
     from kvtier.vllm.layout import blocks_view
 
     per_chunk = g.chunk_tokens // g.block_size
@@ -237,32 +249,145 @@ def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, re
     lists, sizes = rows.id_lists(block_lists)
     plan = rows.plan(block_lists, [torch.tensor(ix, dtype=torch.long, device=device) for ix in lists], sizes)
     stage = torch.empty((plan.stage_rows, *rows.row_shape), dtype=g.dtype, device=device)
-    nbytes = plan.total * math.prod(rows.row_shape) * g.dtype.itemsize
-    wide = rows.tables(view)
-    native = [t.view(g.dtype) for t in wide]
-    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
-    ops = {"gather_native": lambda: BlockRows.gather(native, plan, stage),
-           "gather_wide": lambda: BlockRows.gather(wide, plan, stage),
-           "scatter_native": lambda: BlockRows.scatter(native, plan, stage),
-           "scatter_wide": lambda: BlockRows.scatter(wide, plan, stage),
-           "device_copy": lambda: dst.copy_(src)}
-    out: dict[str, float] = {}
+    kvtier_tables = rows.tables(view)
+    native = [t.view(g.dtype) for t in kvtier_tables]
+    by_type = {g.dtype: native}
+    for wide in reversed(WIDE_TYPES):  # (narrowest first)
+        tables = [widened(t, (wide,)) for t in native]
+        if all(t.dtype == wide for t in tables):
+            by_type.setdefault(wide, tables)
+    return LayerRig(rows, plan, stage, by_type, kvtier_tables[-1].dtype,
+                    plan.total * math.prod(rows.row_shape) * g.dtype.itemsize)
+
+
+def _type_name(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, repeat: int) -> dict[str, object]:
+    """GB/s of one layer's gather (blocks -> stage) and scatter (stage -> blocks) of ``chunks``
+    chunks (:func:`layer_rig`), with the tables indexed as the KV's own element type and as
+    each wider one the layout allows (``block_rows.WIDE_TYPES``; kvtier takes the widest,
+    ``index_kvtier_type``), and of a plain device copy of the same bytes: what the side
+    stream's indexing costs the device, and what wider elements save. Each op 50 times in a
+    row, the best of ``repeat`` (see :func:`timed`)."""
+    rig = layer_rig(content, g, device, chunks)
+    src = torch.empty(rig.nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(rig.nbytes, dtype=torch.uint8, device=device)
     n = 50
-    for name, op in ops.items():
+
+    def rate(op) -> float:  # noqa: ANN001
         op()  # (a kernel's first launch loads its code)
-        out[f"{name}_gbs"] = n * nbytes / timed(lambda op=op: [op() for _ in range(n)], device, repeat) / 1e9
-    out["index_layer_mib"] = nbytes / 2**20
-    out["index_wide_type"] = str(wide[-1].dtype).removeprefix("torch.")
+        return n * rig.nbytes / timed(lambda: [op() for _ in range(n)], device, repeat) / 1e9
+
+    return {"gather_gbs": {_type_name(t): rate(lambda ts=ts: BlockRows.gather(ts, rig.plan, rig.stage))
+                           for t, ts in rig.by_type.items()},
+            "scatter_gbs": {_type_name(t): rate(lambda ts=ts: BlockRows.scatter(ts, rig.plan, rig.stage))
+                            for t, ts in rig.by_type.items()},
+            "device_copy_gbs": rate(lambda: dst.copy_(src)),
+            "index_layer_mib": rig.nbytes / 2**20,
+            "index_kvtier_type": _type_name(rig.kvtier_type)}
+
+
+def interference(content: str, g: Geometry, device: torch.device, chunks: int, forward_s: float,
+                 pairs: int) -> dict[str, float]:
+    """What a save's work on the side stream costs a forward pass beside it, part by part: a
+    stand-in forward pass (:class:`Forward`) whose every layer is followed, on a side stream
+    that waits for that layer as the worker's hooks do, by one layer's work of a ``chunks``-
+    chunk save (:func:`layer_rig`): its gather alone, the tables indexed as each element type
+    (``gather_<type>``); its copies from the stage to pinned host memory alone (``copies``);
+    or both, as kvtier does them (``save``). Each is timed on the compute stream alone (two
+    events: the forward pass's own time, what the next step waits for), in pairs with a plain
+    pass, in turn first and second, each after an untimed plain pass; the overhead is the
+    median ratio, less one. On the CPU there is no side stream and the work runs in line, so
+    the figures are its cost, not interference: a check of the code path."""
+    rig = layer_rig(content, g, device, chunks)
+    cuda = device.type == "cuda"
+    host = torch.empty((rig.plan.total, *rig.rows.row_shape), dtype=g.dtype, pin_memory=cuda)
+    regions = rig.rows.regions(rig.stage, rig.plan)
+    pieces, at = [], 0
+    for region, size in zip(regions, rig.plan.sizes, strict=True):
+        pieces.append(host.narrow(0, at, size).view(region.shape))
+        at += size
+
+    def copies() -> None:
+        for region, blocks, piece in zip(regions, rig.plan.blocks, pieces, strict=True):
+            rig.rows.to_chunk(region, blocks, piece, non_blocking=cuda)
+
+    def gather(tables: list[torch.Tensor]) -> None:
+        BlockRows.gather(tables, rig.plan, rig.stage)
+
+    kvtier_tables = rig.by_type[rig.kvtier_type]
+    work = {f"gather_{_type_name(t)}": (lambda ts=ts: gather(ts)) for t, ts in rig.by_type.items()}
+    work["copies"] = copies
+    work["save"] = lambda: (gather(kvtier_tables), copies())
+    fwd = Forward(g.layers, device, forward_s)
+    side = torch.cuda.Stream(device) if cuda else None
+
+    def forward_pass(each_layer) -> float:  # noqa: ANN001
+        """The compute stream's seconds for one pass, ``each_layer`` (or nothing) beside it."""
+        sync(device)
+        t0 = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        for _ in range(g.layers):
+            fwd.layer()
+            if each_layer is None:
+                continue
+            if side is None:
+                each_layer()
+                continue
+            computed = torch.cuda.current_stream(device).record_event()
+            with torch.cuda.stream(side):
+                side.wait_event(computed)
+                each_layer()
+        if not cuda:
+            return time.perf_counter() - t0
+        end.record()
+        sync(device)
+        return start.elapsed_time(end) / 1e3
+
+    for op in work.values():  # (first launches load the kernels)
+        op()
+    out: dict[str, float] = {}
+    plains = []
+    for name, op in work.items():
+        ratios = []
+        for i in range(pairs):
+            timings = []
+            for each_layer in ((None, op) if i % 2 == 0 else (op, None)):
+                forward_pass(None)  # (untimed: the same history before each)
+                timings.append(forward_pass(each_layer))
+            plain, beside = timings if i % 2 == 0 else timings[::-1]
+            ratios.append(beside / plain)
+            plains.append(plain)
+        out[name] = statistics.median(ratios) - 1
+    out["forward_ms"] = statistics.median(plains) * 1e3
     return out
 
 
-def indexing_line(indexing: dict[str, dict[str, float]], chunks: int) -> str:
+def indexing_line(indexing: dict[str, dict], chunks: int) -> str:
     """What :func:`index_rates` measured, per content layout, as one line."""
-    return (f"indexing ops on the device, one layer of {chunks} chunks (GB/s; the KV's own element type -> "
-            "kvtier's wider one; a plain device copy of the same bytes): " + "; ".join(
-                f"{c} ({x['index_layer_mib']:.1f} MiB, {x['index_wide_type']}): gather {x['gather_native_gbs']:.1f} -> "
-                f"{x['gather_wide_gbs']:.1f}, scatter {x['scatter_native_gbs']:.1f} -> {x['scatter_wide_gbs']:.1f}, "
-                f"copy {x['device_copy_gbs']:.1f}" for c, x in indexing.items()))
+    def by_type(rates: dict[str, float]) -> str:
+        return ", ".join(f"{t} {r:.1f}" for t, r in rates.items())
+
+    return (f"indexing ops on the device, one layer of {chunks} chunks (GB/s by element type, the KV's own first; "
+            "kvtier indexes the widest its layout allows; a plain device copy of the same bytes): " + "; ".join(
+                f"{c} ({x['index_layer_mib']:.1f} MiB, kvtier: {x['index_kvtier_type']}): gather "
+                f"{by_type(x['gather_gbs'])}; scatter {by_type(x['scatter_gbs'])}; copy {x['device_copy_gbs']:.1f}"
+                for c, x in indexing.items()))
+
+
+def interference_line(beside: dict[str, dict[str, float]], chunks: int, layers: int, cuda: bool) -> str:
+    """What :func:`interference` measured, per content layout, as one line."""
+    what = ("the forward pass's own time with each layer's save work on the side stream beside it"
+            if cuda else "on the CPU the work runs in line: its cost, not interference")
+    return (f"side stream beside a forward pass of {layers} layers, each layer's work of a {chunks}-chunk save ({what}; "
+            "median of pairs with a plain pass): " + "; ".join(
+                f"{c} ({x['forward_ms']:.1f} ms): " + ", ".join(
+                    f"{k.replace('_', ' ')} {100 * v:+.1f}%" for k, v in x.items() if k != "forward_ms")
+                for c, x in beside.items()))
 
 
 def raw_disk_read(files: list[Path]) -> float:
@@ -576,7 +701,8 @@ def main() -> None:
     ap.add_argument("--dir", help="work directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--index-only", action="store_true",
-                    help="only the indexing ops (gather and scatter of one layer, both element types), then stop")
+                    help="only the side stream's ops: the indexing ops (gather and scatter of one layer, by element "
+                         "type) and what a save's work costs a forward pass beside it, then stop")
     args = ap.parse_args()
     ensure_metadata_base()
     device = torch.device(args.device)
@@ -595,10 +721,14 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-gpu-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     indexing = {c: index_rates(c, g, device, chunks, args.repeat) for c in args.contents}
+    beside = {c: interference(c, g, device, chunks, forward_s, args.pairs) for c in args.contents}
+    side_lines = (indexing_line(indexing, chunks) + "\n"
+                  + interference_line(beside, chunks, g.layers, device.type == "cuda"))
     if args.index_only:
-        print(indexing_line(indexing, chunks))
+        print(side_lines)
         if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "indexing": indexing}, indent=1, default=str))
+            Path(args.json).write_text(json.dumps({"args": vars(args), "indexing": indexing, "interference": beside},
+                                                  indent=1, default=str))
         return
     try:
         d2h, h2d = raw_copies(g, device, chunks, args.repeat)
@@ -621,8 +751,8 @@ def main() -> None:
                 shutil.rmtree(root / "run", ignore_errors=True)
                 if args.json:  # (what is measured so far survives a later row's failure)
                     Path(args.json).write_text(json.dumps({"partial": True, "d2h_gbs": d2h, "h2d_gbs": h2d,
-                                                           "raw_pieces": pieces, "indexing": indexing, "rows": rows},
-                                                          indent=1))
+                                                           "raw_pieces": pieces, "indexing": indexing, "interference": beside,
+                                                           "rows": rows}, indent=1))
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -633,7 +763,7 @@ def main() -> None:
     print(f"raw copies: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s (pinned host buffers)")
     print("raw copies by size and host offset (D2H / H2D GB/s; a pooled chunk starts a record header "
           "into its slot): " + "; ".join(f"{k}: {a:.2f} / {b:.2f}" for k, (a, b) in pieces.items()))
-    print(indexing_line(indexing, chunks) + "\n")
+    print(side_lines + "\n")
     print("| content (layers per copy: loads, saves; device stage) | save GB/s (vs D2H) | save on the device (vs D2H); host ms "
           "| host-tier load GB/s (vs H2D) | host-tier load on the device (vs H2D); host ms | cold load GB/s (vs disk read) "
           "| cold load, asynchronous | cold load with direct_reads (O_DIRECT) | prefill overhead; host time in hooks "
@@ -694,8 +824,8 @@ def main() -> None:
         print("\nCPU run: the targets of issue 7 are GPU targets; these figures check the code path only.")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "args": vars(args), "d2h_gbs": d2h, "h2d_gbs": h2d,
-                                                 "raw_pieces": pieces, "indexing": indexing, "rows": rows},
-                                                indent=1, default=str))
+                                                 "raw_pieces": pieces, "indexing": indexing, "interference": beside,
+                                                 "rows": rows}, indent=1, default=str))
 
 
 if __name__ == "__main__":

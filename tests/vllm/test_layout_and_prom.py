@@ -104,24 +104,33 @@ def test_a_batch_of_chunks_is_copied_with_one_gather_per_layer(content: str, lay
 
 
 @pytest.mark.parametrize(("content", "dtype", "dim", "offset", "wide"), [
-    ("kv_last", torch.bfloat16, 8, 0, [torch.int64]),
-    ("kv_last", torch.float32, 8, 0, [torch.int64]),
+    ("kv_last", torch.bfloat16, 8, 0, [torch.complex128]),  # 16-byte runs
+    ("kv_last", torch.float32, 8, 0, [torch.complex128]),
+    ("kv_last", torch.bfloat16, 4, 0, [torch.int64]),  # 8-byte runs
+    ("kv_last", torch.bfloat16, 12, 0, [torch.int64]),  # 24-byte runs: 8-byte elements
     ("kv_last", torch.bfloat16, 6, 0, [torch.int32]),  # 12-byte runs: 4-byte elements
     ("kv_last", torch.bfloat16, 3, 0, [torch.bfloat16]),  # 6-byte runs: as they are
     ("kv_last", torch.bfloat16, 8, 1, [torch.bfloat16]),  # a layer 2 bytes into its buffer
-    ("cpu", torch.bfloat16, 8, 0, [torch.int64]),
-    ("cpu_kt", torch.bfloat16, 8, 0, [torch.bfloat16, torch.int64]),  # K is [D, N]: its dim not contiguous
+    ("kv_last", torch.bfloat16, 8, 4, [torch.int64]),  # 8 bytes into it: 16-byte elements would straddle
+    ("cpu", torch.bfloat16, 8, 0, [torch.complex128]),
+    ("cpu_kt", torch.bfloat16, 8, 0, [torch.bfloat16, torch.complex128]),  # K is [D, N]: its dim not contiguous
 ])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_blocks_move_as_wide_elements_where_the_layout_allows_and_stay_bit_exact(
         content: str, dtype: torch.dtype, dim: int, offset: int, wide: list[torch.dtype], layers: int) -> None:
-    """Gathers and scatters index 8-byte (else 4-byte) elements where the strides allow (a
-    quarter of the elements to index for bf16), and the element type
-    they had elsewhere. Either way every bit comes back: arbitrary bit patterns (NaNs with
-    payloads, negative zeros) through a batch of chunks, straight and through the scratch."""
+    """Gathers and scatters index 16-byte (else 8- or 4-byte) elements where the strides
+    allow (an eighth of the elements to index for bf16), and the element type they had
+    elsewhere. Either way every bit comes back: arbitrary bit patterns (NaNs with payloads,
+    negative zeros; and, read as the complex128 that stands in for 16-byte elements,
+    signalling NaNs, which an arithmetic move would quieten) through a batch of chunks,
+    straight and through the scratch."""
     def layer() -> torch.Tensor:
-        bits = torch.randint(-2**15, 2**15, ((B * H * N * 2 * dim + offset) * dtype.itemsize // 2,), dtype=torch.int16)
-        return bits.view(dtype)[offset:].view(B, H, N, 2 * dim)
+        count = B * H * N * 2 * dim
+        bits = torch.randint(-2**15, 2**15, (-(-(count + offset) * dtype.itemsize // 8) * 4,), dtype=torch.int16)
+        # every fourth 8-byte word a float64 signalling NaN (exponent all ones, quiet bit 0)
+        words = bits.view(torch.int64)
+        words[::4] = 0x7FF0_0000_0000_0001 + torch.arange(words[::4].numel()) * 7
+        return bits.view(dtype)[offset : offset + count].view(B, H, N, 2 * dim)
 
     kvs = [layer() for _ in range(layers)]
     views = [blocks_view(kv, content, dim) for kv in kvs]

@@ -585,14 +585,21 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["pool_slots"] <= r["pool_cap_slots"] and r["dropped_saves"] == 0
         assert r["save_gbs"] > 0 and r["host_load_gbs"] > 0 and r["cold_load_gbs"] > 0
         assert r["cold_load_async_gbs"] > 0
-    indexing = json.loads(out.read_text())["indexing"]
-    for c in ("kv_last", "cpu"):  # the smoke geometry is float32: gathered as int64
-        assert indexing[c]["index_wide_type"] == "int64" and indexing[c]["gather_wide_gbs"] > 0
-    assert "indexing ops on the device" in res.stdout
+    report = json.loads(out.read_text())
+    for c in ("kv_last", "cpu"):  # the smoke geometry is float32, rows of 16 bytes or more
+        x = report["indexing"][c]
+        assert x["index_kvtier_type"] == "complex128"
+        assert set(x["gather_gbs"]) == set(x["scatter_gbs"]) == {"float32", "int64", "complex128"}
+        assert min(x["gather_gbs"].values()) > 0 and min(x["scatter_gbs"].values()) > 0
+        # each part of a save's side-stream work, beside a forward pass it did not break
+        assert set(report["interference"][c]) == {"gather_float32", "gather_int64", "gather_complex128", "copies",
+                                                  "save", "forward_ms"}
+    assert "indexing ops on the device" in res.stdout and "side stream beside a forward pass" in res.stdout
     only = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--device", "cpu", "--smoke",
                            "--index-only", "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert only.returncode == 0, only.stderr[-2000:]
-    assert set(json.loads(out.read_text())["indexing"]) == {"kv_last", "cpu"} and "rows" not in out.read_text()
+    report = json.loads(out.read_text())
+    assert set(report["indexing"]) == set(report["interference"]) == {"kv_last", "cpu"} and "rows" not in report
 
 
 def test_the_gpu_benchmark_reads_a_saves_device_costs_from_a_trace(tmp_path: Path) -> None:
