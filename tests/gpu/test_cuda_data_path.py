@@ -210,3 +210,33 @@ def test_cuda_worker_groups_a_llama_ranks_layers_eight_per_copy(tmp_path: Path) 
         assert (worker.per_copy, worker.save_per_copy) == (8, 1)
         assert worker._stage.numel() * worker._stage.element_size() == 72 << 20
         worker.close()
+
+
+@pytest.mark.parametrize("content", ["kv_last", "cpu"])
+def test_cuda_blocks_move_as_16_byte_elements_bit_for_bit(content: str) -> None:
+    """On the device, a Llama-3-8B layer's bf16 blocks are gathered and scattered as 16-byte
+    elements (``complex128`` standing in for a 16-byte integer) and every bit comes back,
+    float64 signalling NaNs and NaN payloads included: CUDA's indexing kernels only move them."""
+    from kvtier.testing.worker_rig import make_kv_caches
+    from kvtier.vllm.block_rows import BlockRows
+    from kvtier.vllm.layout import blocks_view
+
+    g = _rank(1, 64)
+    (kv,) = make_kv_caches(g, content, "cuda").values()
+    words = kv.view(torch.int64) if kv.is_contiguous() else kv.transpose(1, 2).view(torch.int64)
+    words.copy_(torch.randint(-2**62, 2**62, words.shape, device="cuda"))
+    words.view(-1)[::3] = 0x7FF0_0000_0000_0001  # float64 signalling NaNs
+    view = blocks_view(kv, content, g.head_dim)
+    rows = BlockRows(view)
+    tables = rows.tables(view)
+    assert {t.dtype for t in tables} == {torch.complex128}
+    chunks = [list(range(40, 56)), [3, 1, 60, 7], list(range(16, 32))]
+    lists, sizes = rows.id_lists(chunks)
+    plan = rows.plan(chunks, [torch.tensor(ids, device="cuda") for ids in lists], sizes)
+    stage = torch.zeros((plan.stage_rows, *rows.row_shape), dtype=g.dtype, device="cuda")
+    BlockRows.gather(tables, plan, stage)
+    restored = torch.zeros_like(kv)
+    BlockRows.scatter(rows.tables(blocks_view(restored, content, g.head_dim)), plan, stage)
+    moved = sorted(b for ids in chunks for b in ids)
+    assert torch.equal(restored[moved].view(torch.int16), kv[moved].view(torch.int16))
+    assert not restored[[b for b in range(64) if b not in moved]].view(torch.int16).any()
