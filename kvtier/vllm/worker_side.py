@@ -263,7 +263,10 @@ class WorkerSide:
         kernel for up to 16 indices and another above, and a step may use either (a short
         tail, a batch of chunks); the second pass repeats block 0 as many times as the stage
         holds, up to 17 rows per table (every repeat reads and writes the same values). With
-        the layer slots of saves and of loads both (they differ on a GPU)."""
+        the layer slots of saves and of loads both (they differ on a GPU), and with each
+        set of element types the layers' tables are indexed as (one, unless some layer's
+        memory is aligned otherwise: see ``widened``)."""
+        kinds = {tuple(t.dtype for t in tables): tables for tables in self.tables}
         for per_copy in sorted({self.save_per_copy, self.per_copy}):
             per_block = self.rows.rows_per_chunk(1) * (per_copy + self.rows.scratch(per_copy))
             repeats = max(1, min(17, self._stage.shape[0] // per_block))
@@ -271,8 +274,9 @@ class WorkerSide:
                 index = StepIndex(self.copies.device)
                 ((plan, _),) = self._plan_rows(index, [blocks], per_copy)
                 with self.copies.after_compute():
-                    BlockRows.gather(self.tables[0], plan, self._stage)
-                    BlockRows.scatter(self.tables[0], plan, self._stage)
+                    for tables in kinds.values():
+                        BlockRows.gather(tables, plan, self._stage)
+                        BlockRows.scatter(tables, plan, self._stage)
                 self.copies.synchronize()
 
     def _plan_rows(self, index: StepIndex, block_lists: list[list[int]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,9 +128,10 @@ def test_blocks_move_as_wide_elements_where_the_layout_allows_and_stay_bit_exact
     def layer() -> torch.Tensor:
         count = B * H * N * 2 * dim
         bits = torch.randint(-2**15, 2**15, (-(-(count + offset) * dtype.itemsize // 8) * 4,), dtype=torch.int16)
-        # every fourth 8-byte word a float64 signalling NaN (exponent all ones, quiet bit 0)
+        # every third 8-byte word a float64 signalling NaN (exponent all ones, quiet bit 0):
+        # both halves of a complex128 get some
         words = bits.view(torch.int64)
-        words[::4] = 0x7FF0_0000_0000_0001 + torch.arange(words[::4].numel()) * 7
+        words[::3] = 0x7FF0_0000_0000_0001 + torch.arange(words[::3].numel()) * 7
         return bits.view(dtype)[offset : offset + count].view(B, H, N, 2 * dim)
 
     kvs = [layer() for _ in range(layers)]
@@ -153,6 +155,25 @@ def test_blocks_move_as_wide_elements_where_the_layout_allows_and_stay_bit_exact
     scatter_blocks(blocks_view(again, content, dim), [4, 1], one)
     assert torch.equal(again[[4, 1]].view(torch.int16), kvs[0][[4, 1]].view(torch.int16))
     assert not again[[0, 2, 3, 5]].view(torch.int16).any()
+
+
+def test_memory_at_an_address_misaligned_for_wide_elements_is_indexed_narrower() -> None:
+    """A KV cache PyTorch did not allocate (DLPack, a foreign buffer) may start 8 bytes off a
+    16-byte boundary with its storage offset 0, which ``Tensor.view`` accepts: it is indexed as
+    8-byte elements (a GPU's 16-byte loads would fault), and still moves bit for bit."""
+    raw = np.zeros(B * H * N * 2 * D * 2 + 64, dtype=np.uint8)
+    start = (8 - raw.ctypes.data % 16) % 16
+    kv = torch.from_numpy(raw[start : start + B * H * N * 2 * D * 2]).view(torch.bfloat16).view(B, H, N, 2 * D)
+    assert kv.data_ptr() % 16 == 8 and kv.storage_offset() == 0
+    kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15, kv.shape, dtype=torch.int16))
+    view = blocks_view(kv, "kv_last", D)
+    rows = BlockRows(view)
+    assert [t.dtype for t in rows.tables(view)] == [torch.int64]
+    one = torch.empty(2, 2 * N, H, D, dtype=torch.bfloat16)
+    gather_blocks(view, [4, 1], one)
+    again = torch.zeros_like(kv)
+    scatter_blocks(blocks_view(again, "kv_last", D), [4, 1], one)
+    assert torch.equal(again[[4, 1]].view(torch.int16), kv[[4, 1]].view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

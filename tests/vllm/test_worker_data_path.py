@@ -20,7 +20,9 @@ from kvtier import CacheConfig
 from kvtier.store import ChunkStore
 from kvtier.testing.worker_rig import (
     Geometry,
+    ensure_metadata_base,
     long_load_from_disk,
+    make_kv_caches,
     make_worker,
     save_and_reload,
     save_step,
@@ -175,6 +177,48 @@ def test_the_worker_runs_every_copy_kernel_once_when_it_starts(tmp_path: Path, m
         for name, calls in counts.items():
             assert any(max(c) <= 16 for c in calls), (name, calls)
             assert any(min(c) > 16 for c in calls), (name, calls)
+        worker.close()
+
+
+def test_a_layer_indexed_as_other_elements_has_its_kernels_run_at_start_too(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer whose memory starts 8 bytes off a 16-byte boundary (memory PyTorch did not
+    allocate) is indexed as 8-byte elements, the others as 16-byte ones: the start-up copies
+    run both kinds of tables, so no kernel is first launched in a step; and its blocks still
+    save and load bit for bit."""
+    import numpy as np
+
+    from kvtier.keys import Namespace
+    from kvtier.vllm.block_rows import BlockRows
+
+    ensure_metadata_base()
+    from kvtier.vllm.worker_side import WorkerSide
+
+    kinds: set[tuple[torch.dtype, ...]] = set()
+    real = BlockRows.gather
+
+    def logged(tables, plan, stage, slot=0):  # noqa: ANN001, ANN202
+        kinds.add(tuple(t.dtype for t in tables))
+        return real(tables, plan, stage, slot)
+
+    monkeypatch.setattr(BlockRows, "gather", staticmethod(logged))
+    caches = make_kv_caches(G, "cpu", "cpu")
+    shape, nbytes = caches["layer.1"].shape, caches["layer.1"].numel() * G.dtype.itemsize
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = (8 - raw.ctypes.data % 16) % 16
+    caches["layer.1"] = torch.from_numpy(raw[start : start + nbytes]).view(G.dtype).view(shape)
+    for c in caches.values():
+        c.copy_(torch.randn(c.shape))
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=4 * G.chunk_bytes,
+                      write_queue_bytes=4 * G.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        ns = Namespace(model="worker-rig", weights_fingerprint="sha256:rig", dtype="float32",
+                       kv_shape=(G.layers, 2, G.kv_heads, G.head_dim), chunk_tokens=G.chunk_tokens)
+        worker = WorkerSide(store, ns, list(caches), caches, "cpu", G.block_size)
+        assert [tables[0].dtype for tables in worker.tables] == [torch.complex128, torch.int64] + [torch.complex128] * 2
+        assert kinds == {(torch.complex128,), (torch.int64,)}
+        got = save_and_reload(store, worker, caches, G)
+        assert got["mismatches"] == []
         worker.close()
 
 
