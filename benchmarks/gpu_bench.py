@@ -222,42 +222,48 @@ def raw_piece_copies(device: torch.device, total: int, piece: int, offset: int, 
     return n * piece / timed(d2h, device, repeat) / 1e9, n * piece / timed(h2d, device, repeat) / 1e9
 
 
-class LayerRig(NamedTuple):
-    """One layer's KV cache and a prefill step's save of ``chunks`` chunks of it, blocks
-    shuffled over the cache (as a serving engine's are): the side stream's ops, set up once."""
+class SideRig(NamedTuple):
+    """``layers`` layers of a KV cache, each of its own memory, and a prefill step's save of
+    ``chunks`` chunks of them, blocks shuffled over the cache (as a serving engine's are): the
+    side stream's ops, set up once."""
 
     rows: BlockRows
     plan: RowPlan
     stage: torch.Tensor
-    by_type: dict[torch.dtype, list[torch.Tensor]]  # the tables as each element type, the KV's own first
-    kvtier_type: torch.dtype  # the one kvtier indexes them as (the widest the layout allows)
-    nbytes: int  # the layer's bytes of all the chunks
+    by_type: dict[torch.dtype, list[list[torch.Tensor]]]  # per element type, the KV's own first: each layer's tables
+    kvtier: list[list[torch.Tensor]]  # each layer's tables as kvtier indexes them (the widest the layout allows)
+    nbytes: int  # one layer's bytes of all the chunks
+
+    @property
+    def kvtier_types(self) -> str:
+        return "/".join(dict.fromkeys(_type_name(t.dtype) for t in self.kvtier[0]))
 
 
-def layer_rig(content: str, g: Geometry, device: torch.device, chunks: int) -> LayerRig:
+def side_rig(content: str, g: Geometry, device: torch.device, chunks: int, layers: int = 1) -> SideRig:
     from kvtier.vllm.block_rows import WIDE_TYPES, widened
     from kvtier.vllm.layout import blocks_view
 
     per_chunk = g.chunk_tokens // g.block_size
     blocks = 2 * chunks * per_chunk
-    (kv,) = make_kv_caches(Geometry(**{**g.__dict__, "layers": 1, "num_blocks": blocks}), content, device).values()
-    kv.copy_(torch.randn(kv.shape, device=device).to(kv.dtype))
-    view = blocks_view(kv, content, g.head_dim)
-    rows = BlockRows(view)
+    caches = make_kv_caches(Geometry(**{**g.__dict__, "layers": layers, "num_blocks": blocks}), content, device)
+    views = []
+    for kv in caches.values():
+        kv.copy_(torch.randn(kv.shape, device=device).to(kv.dtype))
+        views.append(blocks_view(kv, content, g.head_dim))
+    rows = BlockRows(views[0])
     ids = torch.randperm(blocks)[: chunks * per_chunk].tolist()
     block_lists = [ids[i * per_chunk : (i + 1) * per_chunk] for i in range(chunks)]
     lists, sizes = rows.id_lists(block_lists)
     plan = rows.plan(block_lists, [torch.tensor(ix, dtype=torch.long, device=device) for ix in lists], sizes)
     stage = torch.empty((plan.stage_rows, *rows.row_shape), dtype=g.dtype, device=device)
-    kvtier_tables = rows.tables(view)
-    native = [t.view(g.dtype) for t in kvtier_tables]
+    kvtier = [rows.tables(v) for v in views]
+    native = [[t.view(g.dtype) for t in tables] for tables in kvtier]
     by_type = {g.dtype: native}
     for wide in reversed(WIDE_TYPES):  # (narrowest first)
-        tables = [widened(t, (wide,)) for t in native]
-        if all(t.dtype == wide for t in tables):
-            by_type.setdefault(wide, tables)
-    return LayerRig(rows, plan, stage, by_type, kvtier_tables[-1].dtype,
-                    plan.total * math.prod(rows.row_shape) * g.dtype.itemsize)
+        each = [[widened(t, (wide,)) for t in tables] for tables in native]
+        if all(t.dtype == wide for tables in each for t in tables):
+            by_type.setdefault(wide, each)
+    return SideRig(rows, plan, stage, by_type, kvtier, plan.total * math.prod(rows.row_shape) * g.dtype.itemsize)
 
 
 def _type_name(t: torch.dtype) -> str:
@@ -266,12 +272,12 @@ def _type_name(t: torch.dtype) -> str:
 
 def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, repeat: int) -> dict[str, object]:
     """GB/s of one layer's gather (blocks -> stage) and scatter (stage -> blocks) of ``chunks``
-    chunks (:func:`layer_rig`), with the tables indexed as the KV's own element type and as
+    chunks (:func:`side_rig`), with the tables indexed as the KV's own element type and as
     each wider one the layout allows (``block_rows.WIDE_TYPES``; kvtier takes the widest,
     ``index_kvtier_type``), and of a plain device copy of the same bytes: what the side
     stream's indexing costs the device, and what wider elements save. Each op 50 times in a
     row, the best of ``repeat`` (see :func:`timed`)."""
-    rig = layer_rig(content, g, device, chunks)
+    rig = side_rig(content, g, device, chunks)
     src = torch.empty(rig.nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty(rig.nbytes, dtype=torch.uint8, device=device)
     n = 50
@@ -280,28 +286,31 @@ def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, re
         op()  # (a kernel's first launch loads its code)
         return n * rig.nbytes / timed(lambda: [op() for _ in range(n)], device, repeat) / 1e9
 
-    return {"gather_gbs": {_type_name(t): rate(lambda ts=ts: BlockRows.gather(ts, rig.plan, rig.stage))
+    return {"gather_gbs": {_type_name(t): rate(lambda ts=ts[0]: BlockRows.gather(ts, rig.plan, rig.stage))
                            for t, ts in rig.by_type.items()},
-            "scatter_gbs": {_type_name(t): rate(lambda ts=ts: BlockRows.scatter(ts, rig.plan, rig.stage))
+            "scatter_gbs": {_type_name(t): rate(lambda ts=ts[0]: BlockRows.scatter(ts, rig.plan, rig.stage))
                             for t, ts in rig.by_type.items()},
             "device_copy_gbs": rate(lambda: dst.copy_(src)),
             "index_layer_mib": rig.nbytes / 2**20,
-            "index_kvtier_type": _type_name(rig.kvtier_type)}
+            "index_kvtier_type": rig.kvtier_types}
 
 
 def interference(content: str, g: Geometry, device: torch.device, chunks: int, forward_s: float,
-                 pairs: int) -> dict[str, float]:
+                 pairs: int) -> dict[str, object]:
     """What a save's work on the side stream costs a forward pass beside it, part by part: a
     stand-in forward pass (:class:`Forward`) whose every layer is followed, on a side stream
-    that waits for that layer as the worker's hooks do, by one layer's work of a ``chunks``-
-    chunk save (:func:`layer_rig`): its gather alone, the tables indexed as each element type
-    (``gather_<type>``); its copies from the stage to pinned host memory alone (``copies``);
-    or both, as kvtier does them (``save``). Each is timed on the compute stream alone (two
-    events: the forward pass's own time, what the next step waits for), in pairs with a plain
-    pass, in turn first and second, each after an untimed plain pass; the overhead is the
-    median ratio, less one. On the CPU there is no side stream and the work runs in line, so
-    the figures are its cost, not interference: a check of the code path."""
-    rig = layer_rig(content, g, device, chunks)
+    that waits for that layer as the worker's hooks do, by that layer's work of a ``chunks``-
+    chunk save (:func:`side_rig`, a KV cache per layer): its gather alone, the tables indexed
+    as each element type (``gather_<type>``); its copies from the stage to pinned host memory
+    alone (``copies``); or both, as kvtier does them (``save``). Each is timed on the compute
+    stream alone (two events: the forward pass's own time, what the next step waits for), in
+    pairs with a plain pass, in turn first and second, each after an untimed plain pass. Per
+    part: the median ratio less one (``overhead``), the median added time per layer
+    (``us_per_layer``), and the lowest and highest pair (``low``, ``high``: a difference
+    between parts within that spread is noise; the GPU's clocks drift). On the CPU there is no
+    side stream and the work runs in line, so the figures are its cost, not interference: a
+    check of the code path."""
+    rig = side_rig(content, g, device, chunks, g.layers)
     cuda = device.type == "cuda"
     host = torch.empty((rig.plan.total, *rig.rows.row_shape), dtype=g.dtype, pin_memory=cuda)
     regions = rig.rows.regions(rig.stage, rig.plan)
@@ -310,17 +319,16 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
         pieces.append(host.narrow(0, at, size).view(region.shape))
         at += size
 
-    def copies() -> None:
+    def copies(_layer: int) -> None:
         for region, blocks, piece in zip(regions, rig.plan.blocks, pieces, strict=True):
             rig.rows.to_chunk(region, blocks, piece, non_blocking=cuda)
 
-    def gather(tables: list[torch.Tensor]) -> None:
-        BlockRows.gather(tables, rig.plan, rig.stage)
+    def gather(tables: list[list[torch.Tensor]], layer: int) -> None:
+        BlockRows.gather(tables[layer], rig.plan, rig.stage)
 
-    kvtier_tables = rig.by_type[rig.kvtier_type]
-    work = {f"gather_{_type_name(t)}": (lambda ts=ts: gather(ts)) for t, ts in rig.by_type.items()}
+    work = {f"gather_{_type_name(t)}": (lambda layer, ts=ts: gather(ts, layer)) for t, ts in rig.by_type.items()}
     work["copies"] = copies
-    work["save"] = lambda: (gather(kvtier_tables), copies())
+    work["save"] = lambda layer: (gather(rig.kvtier, layer), copies(layer))
     fwd = Forward(g.layers, device, forward_s)
     side = torch.cuda.Stream(device) if cuda else None
 
@@ -331,17 +339,17 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        for _ in range(g.layers):
+        for layer in range(g.layers):
             fwd.layer()
             if each_layer is None:
                 continue
             if side is None:
-                each_layer()
+                each_layer(layer)
                 continue
             computed = torch.cuda.current_stream(device).record_event()
             with torch.cuda.stream(side):
                 side.wait_event(computed)
-                each_layer()
+                each_layer(layer)
         if not cuda:
             return time.perf_counter() - t0
         end.record()
@@ -349,11 +357,11 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
         return start.elapsed_time(end) / 1e3
 
     for op in work.values():  # (first launches load the kernels)
-        op()
-    out: dict[str, float] = {}
+        op(0)
+    out: dict[str, object] = {}
     plains = []
     for name, op in work.items():
-        ratios = []
+        ratios, added = [], []
         for i in range(pairs):
             timings = []
             for each_layer in ((None, op) if i % 2 == 0 else (op, None)):
@@ -361,8 +369,10 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
                 timings.append(forward_pass(each_layer))
             plain, beside = timings if i % 2 == 0 else timings[::-1]
             ratios.append(beside / plain)
+            added.append((beside - plain) / g.layers)
             plains.append(plain)
-        out[name] = statistics.median(ratios) - 1
+        out[name] = {"overhead": statistics.median(ratios) - 1, "us_per_layer": statistics.median(added) * 1e6,
+                     "low": min(ratios) - 1, "high": max(ratios) - 1}
     out["forward_ms"] = statistics.median(plains) * 1e3
     return out
 
@@ -379,14 +389,16 @@ def indexing_line(indexing: dict[str, dict], chunks: int) -> str:
                 for c, x in indexing.items()))
 
 
-def interference_line(beside: dict[str, dict[str, float]], chunks: int, layers: int, cuda: bool) -> str:
+def interference_line(beside: dict[str, dict], chunks: int, layers: int, cuda: bool) -> str:
     """What :func:`interference` measured, per content layout, as one line."""
     what = ("the forward pass's own time with each layer's save work on the side stream beside it"
             if cuda else "on the CPU the work runs in line: its cost, not interference")
     return (f"side stream beside a forward pass of {layers} layers, each layer's work of a {chunks}-chunk save ({what}; "
-            "median of pairs with a plain pass): " + "; ".join(
+            "median of pairs with a plain pass, the time added per layer, the lowest and highest pair): " + "; ".join(
                 f"{c} ({x['forward_ms']:.1f} ms): " + ", ".join(
-                    f"{k.replace('_', ' ')} {100 * v:+.1f}%" for k, v in x.items() if k != "forward_ms")
+                    f"{k.replace('_', ' ')} {100 * v['overhead']:+.1f}% ({v['us_per_layer']:+.0f} µs/layer; "
+                    f"{100 * v['low']:+.1f}..{100 * v['high']:+.1f}%)"
+                    for k, v in x.items() if k != "forward_ms")
                 for c, x in beside.items()))
 
 
@@ -720,10 +732,21 @@ def main() -> None:
         g = Geometry(**{**g.__dict__, "chunk_tokens": args.chunk_tokens})
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-gpu-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    indexing = {c: index_rates(c, g, device, chunks, args.repeat) for c in args.contents}
-    beside = {c: interference(c, g, device, chunks, forward_s, args.pairs) for c in args.contents}
-    side_lines = (indexing_line(indexing, chunks) + "\n"
-                  + interference_line(beside, chunks, g.layers, device.type == "cuda"))
+    # the side stream's work alone (a failure here is reported, and the main table still runs)
+    indexing: dict[str, dict] = {}
+    beside: dict[str, dict] = {}
+    side_lines = ""
+    try:
+        indexing = {c: index_rates(c, g, device, chunks, args.repeat) for c in args.contents}
+        side_lines += indexing_line(indexing, chunks) + "\n"
+        beside = {c: interference(c, g, device, chunks, forward_s, args.pairs) for c in args.contents}
+        side_lines += interference_line(beside, chunks, g.layers, device.type == "cuda")
+    except Exception as exc:  # noqa: BLE001
+        if args.index_only:
+            raise
+        side_lines += f"the side stream's ops alone could not be measured: {exc!r}"
+        indexing["error"] = beside["error"] = repr(exc)  # type: ignore[assignment]
+        print(side_lines, file=sys.stderr, flush=True)
     if args.index_only:
         print(side_lines)
         if args.json:
