@@ -59,8 +59,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -82,12 +83,24 @@ from kvtier.testing.worker_rig import (  # noqa: E402
 )
 from kvtier.vllm.block_rows import BlockRows, RowPlan  # noqa: E402
 
+T = TypeVar("T")
+
 TARGETS = {"overhead_prefill": 0.03, "overhead_decode": 0.03, "overhead_decode_graph": 0.03, "save_vs_d2h": 0.8,
            "host_load_vs_h2d": 0.8,
            # the same 0.8x, the copies timed on the device alone (the host's planning left out)
            "save_device_vs_d2h": 0.8, "host_load_device_vs_h2d": 0.8, "cold_load_vs_disk": 0.9, "cold_load_async_vs_disk": 0.9,
            # the same 3 %, counted until only the compute stream is done (what the next step waits for)
            "next_step_prefill": 0.03, "next_step_decode": 0.03, "next_step_decode_graph": 0.03}
+
+
+def in_turn(i: int, plain: Callable[[], T], other: Callable[[], T]) -> tuple[T, T]:
+    """Pair ``i`` of a paired timing: ``plain()`` and ``other()``, ``plain`` first in even
+    pairs and second in odd ones (so neither always runs after the other), as (plain, other)."""
+    if i % 2 == 0:
+        first = plain()
+        return first, other()
+    second = other()
+    return plain(), second
 
 
 def sync(device: torch.device) -> None:
@@ -356,6 +369,11 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
         sync(device)
         return start.elapsed_time(end) / 1e3
 
+    def settled(each_layer) -> float:  # noqa: ANN001
+        """One pass timed after the same history: an untimed plain pass."""
+        forward_pass(None)
+        return forward_pass(each_layer)
+
     for op in work.values():  # (first launches load the kernels)
         op(0)
     out: dict[str, object] = {}
@@ -363,11 +381,7 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
     for name, op in work.items():
         ratios, added = [], []
         for i in range(pairs):
-            timings = []
-            for each_layer in ((None, op) if i % 2 == 0 else (op, None)):
-                forward_pass(None)  # (untimed: the same history before each)
-                timings.append(forward_pass(each_layer))
-            plain, beside = timings if i % 2 == 0 else timings[::-1]
+            plain, beside = in_turn(i, lambda: settled(None), lambda op=op: settled(op))
             ratios.append(beside / plain)
             added.append((beside - plain) / g.layers)
             plains.append(plain)
@@ -603,10 +617,8 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 for i in range(pairs):
                     for until_compute, into in ((False, ratios), (True, next_ratios)):
                         s = specs(n)
-                        if i % 2 == 0:
-                            base, saved = settled([], hooks, until_compute), settled(s, hooks, until_compute)
-                        else:
-                            saved, base = settled(s, hooks, until_compute), settled([], hooks, until_compute)
+                        base, saved = in_turn(i, lambda u=until_compute, h=hooks: settled([], h, u),
+                                              lambda s=s, u=until_compute, h=hooks: settled(s, h, u))
                         into.append(saved[0] / base[0])
                         plains.append(base[0])
                         if not until_compute:

@@ -44,6 +44,7 @@ The same code runs on the CPU, where the stage is a host tensor and each copy is
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -139,15 +140,13 @@ class BlockRows:
         # a packed layout's permutation (the same for every layer): applied per chunk
         self._packed = view if isinstance(view, PermutedBlocks) else None
         self.permuted = self._packed is not None
-        self.dtype = view.flat.dtype if isinstance(view, PermutedBlocks) else view[0].dtype  # (the stage's)
         sample = view.flat if isinstance(view, PermutedBlocks) else view[0]
-        self.device = sample.device
+        self.dtype, self.device = sample.dtype, sample.device  # (the stage's)
         if isinstance(view, PermutedBlocks):
             self.block_size = view.n
             self.row_shape = tuple(view.flat.shape[1:])
             self._parts: list[tuple[int, int, int, int]] = [(1, 0, 1, 0)]
             self.planes = 2
-            self._stage_type()
             return
         self._parts = []  # per view part: block_step, plane_step, planes, first plane
         plane = 0
@@ -160,12 +159,12 @@ class BlockRows:
         self.planes = plane
         self.row_shape = tuple(view[0].shape[2:])
         self.block_size = view[0].shape[2]
-        self._stage_type()
 
-    def _stage_type(self) -> None:
+    @functools.cached_property
+    def stage_type(self) -> torch.dtype:
         """The stage's element type for moves between its slots: it is contiguous, so only
         its rows' last dimension decides (decided once, not per copy)."""
-        self.stage_type = widened(torch.empty((1, *self.row_shape), dtype=self.dtype, device="meta")).dtype
+        return widened(torch.empty((1, *self.row_shape), dtype=self.dtype, device="meta")).dtype
 
     def tables(self, view: LayerView) -> list[torch.Tensor]:
         """One layer's view as row tables (views of its memory, :func:`widened`; built once

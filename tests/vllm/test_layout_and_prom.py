@@ -128,8 +128,10 @@ def test_blocks_move_as_wide_elements_where_the_layout_allows_and_stay_bit_exact
     def layer() -> torch.Tensor:
         count = B * H * N * 2 * dim
         bits = torch.randint(-2**15, 2**15, (-(-(count + offset) * dtype.itemsize // 8) * 4,), dtype=torch.int16)
-        # every third 8-byte word a float64 signalling NaN (exponent all ones, quiet bit 0):
-        # both halves of a complex128 get some
+        # negative zeros (in bf16 and in float32 alike: 0x0000 then 0x8000), then every third
+        # 8-byte word a float64 signalling NaN (exponent all ones, quiet bit 0): both halves
+        # of a complex128 get some
+        bits.view(torch.int32)[2::7] = -2**31
         words = bits.view(torch.int64)
         words[::3] = 0x7FF0_0000_0000_0001 + torch.arange(words[::3].numel()) * 7
         return bits.view(dtype)[offset : offset + count].view(B, H, N, 2 * dim)
