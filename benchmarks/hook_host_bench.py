@@ -6,9 +6,9 @@
 
 On a GPU the hooks only enqueue copies, so what they cost the forward pass is the host time
 spent in them: planning, indexing ops and copies enqueued, handing the chunks to the store.
-The first hook, which plans the step, is reported on its own: it runs while the device has
-only the first layer's work queued, so its time, unlike the later hooks', can idle the
-device.
+The first two hooks are reported on their own: they run while the device has only the first
+layer's work queued (the first) or a layer and a half (the second, which plans the step), so
+their time, unlike the later hooks', can idle the device.
 This measures that time on the CPU with a KV cache so small (one KV head, head_dim 8) that the
 copies themselves cost little (a gather from the strided ``kv_last`` layout still runs element
 by element on the CPU, about 30 µs per layer of 16 chunks here as 16-byte elements, 50 as
@@ -56,7 +56,7 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
         with ChunkStore(cfg) as store:
             args = {} if copy_bytes is None else {"copy_bytes": copy_bytes}
             worker, caches = make_worker(store, g, "kv_last", "cpu", **args)
-            hooks, finish, first = [], [], []
+            hooks, finish, first, second = [], [], [], []
             for step in range(steps + 5):  # (the first five warm up)
                 meta = KVTierMetadata(saves=[SaveSpec("r", (os.urandom(32),), 0, g.chunk_tokens,
                                                       list(range(j * per, (j + 1) * per))) for j in range(chunks)])
@@ -64,13 +64,16 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
                 t0 = time.perf_counter()
                 worker.save_layer(meta, names[0])
                 t_first = time.perf_counter()
-                for name in names[1:]:
+                worker.save_layer(meta, names[1])
+                t_second = time.perf_counter()
+                for name in names[2:]:
                     worker.save_layer(meta, name)
                 t1 = time.perf_counter()
                 worker.finish_saves(meta)
                 t2 = time.perf_counter()
                 if step >= 5:
                     first.append(t_first - t0)
+                    second.append(t_second - t_first)
                     hooks.append(t1 - t0)
                     finish.append(t2 - t1)
                 store.flush(60)
@@ -81,7 +84,7 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
         return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
 
     total = [a + b for a, b in zip(hooks, finish, strict=True)]
-    return {"first_hook_ms": statistics.median(first) * 1e3,
+    return {"first_hook_ms": statistics.median(first) * 1e3, "second_hook_ms": statistics.median(second) * 1e3,
             "save_layer_ms": statistics.median(hooks) * 1e3, "wait_for_save_ms": statistics.median(finish) * 1e3,
             "wait_for_save_p90_ms": pct(finish, 0.9), "step_ms": statistics.median(total) * 1e3,
             "step_p90_ms": pct(total, 0.9)}
@@ -112,11 +115,13 @@ def main() -> None:
             out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
             rows.append((r + 1, label, json.loads(out.stdout.strip().splitlines()[-1])))
     print(f"{args.chunks} chunks per step, 32 layers, {args.steps} steps per run (host time, ms)\n")
-    print("| round | code | first save_kv_layer (median) | save_kv_layer, all layers (median) "
+    print("| round | code | first save_kv_layer (median) | second | save_kv_layer, all layers (median) "
           "| wait_for_save (median / p90) | step (median / p90) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
+    nan = float("nan")  # (a checkout too old to report a hook on its own)
     for r, label, m in rows:
-        print(f"| {r} | {label} | {m.get('first_hook_ms', float('nan')):.2f} | {m['save_layer_ms']:.2f} | {m['wait_for_save_ms']:.2f} / {m['wait_for_save_p90_ms']:.2f} "
+        print(f"| {r} | {label} | {m.get('first_hook_ms', nan):.3f} | {m.get('second_hook_ms', nan):.3f} "
+              f"| {m['save_layer_ms']:.2f} | {m['wait_for_save_ms']:.2f} / {m['wait_for_save_p90_ms']:.2f} "
               f"| {m['step_ms']:.2f} / {m['step_p90_ms']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps([{"round": r, "code": label, **m} for r, label, m in rows], indent=1))

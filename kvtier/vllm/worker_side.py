@@ -5,7 +5,8 @@ Saves: once ``save_kv_layer`` has run for a layer (for every layer of a group wh
 layer's blocks of every chunk being saved are gathered into a device stage with one or two
 indexing ops, then each chunk's piece goes into its pooled host buffer in one copy
 (canonical layout; see ``kvtier.vllm.block_rows``), on the side stream, behind the layer's
-compute;
+compute (the step's first hook does nothing but note its layer, which the second copies
+with its own; see ``WorkerSide.save_layer``);
 ``wait_for_save`` gathers the layers whose hooks did not run (a CUDA graph replays the
 forward without them), has the compute stream wait for the gathers on the device (the blocks
 may be reused next step) and hands the chunks to the write-behind store with the event the
@@ -86,8 +87,8 @@ class _Batch:
 
     def piece(self, i: int, k: int) -> torch.Tensor:
         """Chunk ``i``'s group ``k`` of layers. Made when its copy is enqueued, not all when
-        the step is planned: a save plans in the first layer's hook, while the device has
-        only that layer's work queued, so what the plan costs the host can idle the device."""
+        the step is planned: a save plans in the step's second layer hook, while the device
+        has only two layers' work queued, so what the plan costs the host can idle it."""
         start, size = self.spans[k]
         chunk = self.chunks[i]
         assert chunk is not None  # (a save's chunk with no buffer is not copied)
@@ -219,9 +220,9 @@ class WorkerSide:
         # is reused only once its copies are done (they are never awaited on this thread)
         self._save_index = IndexRing(self.copies.device)
         self._load_index = IndexRing(self.copies.device)
-        self._staged: list[_Staged] | None = None  # this step's saves, from its first layer on
-        self._buffers_due = False  # this step's saves have no buffers yet (see _plan_saves)
-        self._gathered: int | None = None  # a group gathered into the stage, its copies held back
+        self._staged: list[_Staged] | None = None  # this step's saves, from its second hook on
+        # the step's first hook, not yet acted on (see save_layer): its step's metadata, its layer
+        self._first_hook: tuple[KVTierMetadata, int] | None = None
         # this step's chunks to copy, in batches (views made once per step, not per layer)
         self._save_batches: list[_Batch] = []
         self._staged_index: StepIndex | None = None
@@ -304,36 +305,43 @@ class WorkerSide:
 
     # -- saves ---------------------------------------------------------------------
     def save_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
+        """A layer's hook (``save_kv_layer``): its layer is computed once the compute stream
+        gets this far. The step's first hook only notes its layer: it runs while the device
+        has only that layer's attention queued, so any host time spent in it can idle the
+        device (traced on an H200: 0.67 ms of a 45 ms prefill while it planned). The second
+        hook plans the step and copies both layers, with the rest of the first layer and the
+        second one's attention queued ahead of it; the side stream waits for the second
+        layer, and so for the first (the blocks a layer wrote stay as they are until the
+        step ends)."""
         li = self.layer_index.get(layer_name)
         if li is None or not meta.saves or not self.layer_hooks:
             return
+        if self._staged is None and (self._first_hook is None or self._first_hook[0] is not meta):
+            self._first_hook = (meta, li)  # (a hook of another step's metadata: stale, replaced)
+            return
         with self.copies.after_compute():
-            if self._staged is None:  # the step's first layer: plan its saves once
-                self._plan_saves(meta, first_copies_later=True)
-            else:
-                self._copy_gathered()  # the first group's copies, held back (see _copy_group)
-            self._hooked[li] = True
+            hooked = [li]
+            if self._staged is None:  # the step's second hook: plan its saves once
+                self._plan_saves(meta)
+                hooked.insert(0, self._first_hook[1])  # type: ignore[index]
+                self._first_hook = None
             # a group of layers is copied once every layer of it has been computed (its hook
             # ran: hooks need not come in the layers' order)
-            k = li // self.save_per_copy
-            if all(self._hooked[i] for i in self._save_groups[k]):
-                self._copy_group(k)
+            for i in hooked:
+                self._hooked[i] = True
+                k = i // self.save_per_copy
+                if all(self._hooked[j] for j in self._save_groups[k]):
+                    self._copy_group(k)
 
     def record_uses(self, uses: list[tuple[bytes, ...]]) -> None:
         """Stored chunks requests used from vLLM's own prefix cache (per rank keys): uses for
         the store's LRU (a dict insert; never waits)."""
         self.store.touch(keys[self.rank] for keys in uses)
 
-    def _plan_saves(self, meta: KVTierMetadata, first_copies_later: bool = False) -> None:
+    def _plan_saves(self, meta: KVTierMetadata) -> None:
         """Which of the step's chunks to copy (those neither stored nor queued), their block
         ids uploaded to the device in one copy, and a pooled buffer for each (call inside
-        ``after_compute``).
-
-        ``first_copies_later`` (a layer hook plans): where the step's chunks fit one batch of
-        the stage, the buffers are taken, and the first group's copies enqueued, at the next
-        hook. This hook runs while the device has only the first layer's compute queued, so
-        its host time can idle the device (traced on an H200: 4.5 ms before the plan got
-        cheaper); the next one has a layer more queued."""
+        ``after_compute``)."""
         unsafe = self._unsafe_save_steps > 0  # nothing of this step is saved (UNSAFE_SAVE_STEPS)
         if self.save_wait_s:  # an offline producer may wait: for the last steps' copies, so
             # that their buffers can go back to the pool (no name here may hold a buffer)
@@ -375,17 +383,11 @@ class WorkerSide:
         self._hooked = [False] * len(self.views)
         self._copied = [False] * len(self._save_groups)
         self._staged = staged
-        self._gathered = None
-        self._buffers_due = True
-        if not (first_copies_later and len(self._save_batches) == 1 and len(self._save_groups) > 1):
-            self._take_buffers()
+        self._take_buffers()
 
     def _take_buffers(self) -> None:
         """A pooled buffer for each chunk of the step to copy (none free: the save is dropped
         and counted; it is gathered all the same, and not copied)."""
-        if not self._buffers_due:
-            return
-        self._buffers_due = False
         for batch in self._save_batches:
             for i, st in enumerate(batch.owners):
                 spec = st.spec
@@ -395,28 +397,11 @@ class WorkerSide:
                     st.replace = self._refuted.pop(spec.keys[self.rank], False)
                 batch.chunks[i] = st.buf
 
-    def _copy_gathered(self) -> None:
-        """The copies of the group held back in the stage (see _plan_saves), now (inside
-        ``after_compute``, before any other gather into the stage)."""
-        k, self._gathered = self._gathered, None
-        if k is None:
-            return
-        self._take_buffers()
-        (batch,) = self._save_batches
-        self._to_buffers(k, batch, batch.regions(self.rows, self._stage, len(self._save_groups[k])))
-        self._copied[k] = True
-
     def _copy_group(self, k: int) -> None:
         """Copy group ``k`` of layers of this step's saves into their buffers (inside
         ``after_compute``): per batch, its layers gathered into their slots of the stage, then
         one copy per chunk."""
-        if self._copied[k] or self._staged is None or k == self._gathered:
-            return
-        if self._buffers_due:  # the step's first group: gathered now, copied at the next hook
-            (batch,) = self._save_batches
-            self._gather_group(k, batch.plan, self._stage)
-            self._blocks_read = self.copies.record()
-            self._gathered = k
+        if self._copied[k] or self._staged is None:
             return
         for batch in self._save_batches:
             self._gather_group(k, batch.plan, self._stage)
@@ -451,6 +436,7 @@ class WorkerSide:
             self._finish_saves(meta)
         finally:  # the step is over (wait_for_save runs once per forward pass)
             self._unsafe_save_steps = max(0, self._unsafe_save_steps - 1)
+            self._first_hook = None
 
     def _finish_saves(self, meta: KVTierMetadata | None) -> None:
         if self._staged is None and (meta is None or not meta.saves):
@@ -458,10 +444,8 @@ class WorkerSide:
         late: list[int] = []
         try:
             with self.copies.after_compute():
-                if self._staged is None:  # no layer hook ran: a CUDA graph replayed the forward
-                    self._plan_saves(meta)  # type: ignore[arg-type]
-                self._copy_gathered()  # (a model of one layer: no hook came after the first)
-                self._take_buffers()
+                if self._staged is None:  # no layer hook planned: a CUDA graph replayed the
+                    self._plan_saves(meta)  # type: ignore[arg-type]  # forward, or one layer
                 late = [k for k, done in enumerate(self._copied) if not done]
                 self._gather_late(late)
         except Exception as exc:

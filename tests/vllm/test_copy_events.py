@@ -112,14 +112,14 @@ def _log_copies(monkeypatch: pytest.MonkeyPatch, copies: GatedCopies) -> list[st
 
 
 @pytest.mark.parametrize(("chunks", "hooks"), [(2, "all"), (6, "all"), (2, "first only")])
-def test_the_first_hook_only_gathers_and_the_next_copies_what_it_gathered(
+def test_the_first_hook_enqueues_nothing_and_the_second_copies_both_layers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: int, hooks: str) -> None:
-    """The first layer's hook plans the step while the device has only that layer's compute
-    queued: where the step's chunks fit one batch of the stage, it takes no pool buffer and
-    enqueues no copy to host memory, only the gather; the next hook takes the buffers and
-    copies that layer first, before its own gather overwrites the stage. A step larger than
-    the stage (``chunks`` 6, in batches) copies at once; where no other hook comes (``first
-    only``), ``wait_for_save`` copies it. Every chunk is stored whole."""
+    """The step's first layer hook runs while the device has only that layer's attention
+    queued: it plans nothing, takes no pool buffer and enqueues nothing. The second hook
+    plans the step (one batch, or several where the chunks do not fit the stage: ``chunks``
+    6), takes the buffers and copies the first layer, then its own: per batch a gather, then
+    one copy per chunk. Where no other hook comes (``first only``), ``wait_for_save`` copies
+    every layer. Every chunk is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
     # a stage of four chunks' layers: two chunks fit one batch, six do not
@@ -132,29 +132,59 @@ def test_the_first_hook_only_gathers_and_the_next_copies_what_it_gathered(
         free = store.pool.free_slots
         names = list(caches)
         worker.save_layer(meta, names[0])
-        batches = len(worker._save_batches)
-        assert (batches > 1) == (chunks == 6)
-        if batches == 1:
-            assert order == ["gather", "event"]
-            assert store.pool.free_slots == free  # no buffer taken yet
-            if hooks == "first only":
-                worker.finish_saves(meta)
-                assert order[2:2 + chunks] == ["host copy"] * chunks  # before the late gathers
-                names = names[:1]
-            else:
-                worker.save_layer(meta, names[1])
-                assert order == ["gather", "event"] + ["host copy"] * chunks + ["gather", "event"] + ["host copy"] * chunks
+        assert order == [] and store.pool.free_slots == free and not copies.events
+        if hooks == "first only":
+            worker.finish_saves(meta)
+            assert order.count("host copy") == chunks * G.layers
         else:
-            assert order[-1] == "host copy" and order.count("host copy") == chunks
-        assert store.pool.free_slots == free - chunks
-        for name in names[2:] if batches == 1 else names[1:]:
-            worker.save_layer(meta, name)
-        if hooks == "all":
+            worker.save_layer(meta, names[1])
+            batches = worker._save_batches
+            assert (len(batches) > 1) == (chunks == 6)
+            per_layer: list[str] = []
+            for b in batches:
+                per_layer += ["gather"] + ["event"] * (b is batches[-1]) + ["host copy"] * len(b.chunks)
+            assert order == per_layer * 2
+            assert store.pool.free_slots == free - chunks
+            for name in names[2:]:
+                worker.save_layer(meta, name)
+            assert order == per_layer * G.layers
             worker.finish_saves(meta)
         copies.complete_all()
         assert store.flush(30)
         for k, b in zip(keys, ids, strict=True):
             _assert_stored(store, k, caches, b)
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def test_a_first_hook_left_by_a_step_that_never_finished_is_not_this_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's first hook is acted on at its second. If a step ended without
+    ``wait_for_save`` (vLLM calls it in a ``finally``; a caller might not), its first hook
+    is not taken for the next step's: that would copy a layer the next step has not computed
+    yet. The next step's first hook enqueues nothing, and its chunk is stored whole."""
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    order = _log_copies(monkeypatch, copies)
+    try:
+        names = list(caches)
+        old = KVTierMetadata(saves=[SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
+        worker.save_layer(old, names[0])  # (and no more of that step)
+        key, ids = os.urandom(32), list(range(PER_CHUNK, 2 * PER_CHUNK))
+        meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
+        worker.save_layer(meta, names[1])
+        assert order == []
+        worker.save_layer(meta, names[2])
+        assert order == ["gather", "event", "host copy"] * 2
+        for name in names[:1] + names[3:]:
+            worker.save_layer(meta, name)
+        worker.finish_saves(meta)
+        copies.complete_all()
+        assert store.flush(30)
+        _assert_stored(store, key, caches, ids)
     finally:
         copies.complete_all()
         worker.close()
