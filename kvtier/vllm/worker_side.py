@@ -88,7 +88,7 @@ class _Batch:
     def piece(self, i: int, k: int) -> torch.Tensor:
         """Chunk ``i``'s group ``k`` of layers. Made when its copy is enqueued, not all when
         the step is planned: a save plans in the step's second layer hook, while the device
-        has only two layers' work queued, so what the plan costs the host can idle it."""
+        has only a layer and a half of work queued, so what the plan costs the host can idle it."""
         start, size = self.spans[k]
         chunk = self.chunks[i]
         assert chunk is not None  # (a save's chunk with no buffer is not copied)
@@ -221,8 +221,10 @@ class WorkerSide:
         self._save_index = IndexRing(self.copies.device)
         self._load_index = IndexRing(self.copies.device)
         self._staged: list[_Staged] | None = None  # this step's saves, from its second hook on
-        # the step's first hook, not yet acted on (see save_layer): its step's metadata, its layer
-        self._first_hook: tuple[KVTierMetadata, int] | None = None
+        # the metadata of the step whose saves the hooks note and plan (see save_layer), and
+        # that step's first hooked layer, acted on at its second hook
+        self._step_meta: KVTierMetadata | None = None
+        self._first_layer = 0
         # this step's chunks to copy, in batches (views made once per step, not per layer)
         self._save_batches: list[_Batch] = []
         self._staged_index: StepIndex | None = None
@@ -316,15 +318,20 @@ class WorkerSide:
         li = self.layer_index.get(layer_name)
         if li is None or not meta.saves or not self.layer_hooks:
             return
-        if self._staged is None and (self._first_hook is None or self._first_hook[0] is not meta):
-            self._first_hook = (meta, li)  # (a hook of another step's metadata: stale, replaced)
+        if meta is not self._step_meta:  # the step's first hook
+            if self._staged is not None:  # a step that never reached wait_for_save: its plan
+                # is not this step's (other blocks, other chunks); its chunks stay uncached
+                log.warning("kvtier: a step's saves were never handed over (wait_for_save did not run "
+                            "after its forward pass); %d chunks of it not saved",
+                            sum(st.buf is not None for st in self._staged))
+                self._end_saves(store=False)
+            self._step_meta, self._first_layer = meta, li
             return
         with self.copies.after_compute():
             hooked = [li]
-            if self._staged is None:  # the step's second hook: plan its saves once
-                self._plan_saves(meta)
-                hooked.insert(0, self._first_hook[1])  # type: ignore[index]
-                self._first_hook = None
+            if self._staged is None:  # the step's second hook: plan its saves once (retried
+                self._plan_saves(meta)  # by the next hook if it fails)
+                hooked.insert(0, self._first_layer)
             # a group of layers is copied once every layer of it has been computed (its hook
             # ran: hooks need not come in the layers' order)
             for i in hooked:
@@ -433,10 +440,10 @@ class WorkerSide:
         self._layer_ready.clear()
         self._release_landed()
         try:
-            self._finish_saves(meta)
+            self._finish_saves(meta if meta is not None else self._step_meta)
         finally:  # the step is over (wait_for_save runs once per forward pass)
             self._unsafe_save_steps = max(0, self._unsafe_save_steps - 1)
-            self._first_hook = None
+            self._step_meta = None
 
     def _finish_saves(self, meta: KVTierMetadata | None) -> None:
         if self._staged is None and (meta is None or not meta.saves):

@@ -159,32 +159,117 @@ def test_the_first_hook_enqueues_nothing_and_the_second_copies_both_layers(
         store.close()
 
 
-def test_a_first_hook_left_by_a_step_that_never_finished_is_not_this_steps(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's first hook is acted on at its second. If a step ended without
-    ``wait_for_save`` (vLLM calls it in a ``finally``; a caller might not), its first hook
-    is not taken for the next step's: that would copy a layer the next step has not computed
-    yet. The next step's first hook enqueues nothing, and its chunk is stored whole."""
+@pytest.mark.parametrize("left", ["one hook", "two hooks"])
+def test_a_step_that_never_finished_lends_nothing_to_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, left: str) -> None:
+    """A step's first hook is acted on at its second, and its plan used by every hook after.
+    If a step ended without ``wait_for_save`` (vLLM calls it in a ``finally``; a caller
+    might not), neither is taken for the next step's, whose hooks would otherwise copy a
+    layer it has not computed yet, or its layers into the other step's chunks. The next
+    step's first hook enqueues nothing (with ``two hooks`` left, it only ends the other
+    step's plan: an event; that step's chunk is not saved, and that is logged and counted),
+    and its own chunk is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
     store, worker, caches, copies = _rig(tmp_path)
     order = _log_copies(monkeypatch, copies)
     try:
         names = list(caches)
-        old = KVTierMetadata(saves=[SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
-        worker.save_layer(old, names[0])  # (and no more of that step)
+        old_key = os.urandom(32)
+        old = KVTierMetadata(saves=[SaveSpec("r", (old_key,), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
+        for name in names[: 1 if left == "one hook" else 2]:  # (and no more of that step)
+            worker.save_layer(old, name)
+        del order[:]
         key, ids = os.urandom(32), list(range(PER_CHUNK, 2 * PER_CHUNK))
         meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
-        worker.save_layer(meta, names[1])
-        assert order == []
+        with caplog.at_level("WARNING", logger="kvtier"):
+            worker.save_layer(meta, names[1])
+        assert order == ([] if left == "one hook" else ["event"])
+        assert ("never handed over" in caplog.text) == (left == "two hooks")
+        assert worker.stats.get("save_dropped_chunks", 0) == (left == "two hooks")
         worker.save_layer(meta, names[2])
-        assert order == ["gather", "event", "host copy"] * 2
+        assert order[-6:] == ["gather", "event", "host copy"] * 2
         for name in names[:1] + names[3:]:
             worker.save_layer(meta, name)
         worker.finish_saves(meta)
         copies.complete_all()
         assert store.flush(30)
         _assert_stored(store, key, caches, ids)
+        assert store.backend.present_each([old_key]) == [False]
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_path: Path) -> None:
+    """The step's second hook plans its saves; where that fails (the connector logs it and
+    the forward pass goes on), the next hook plans again and copies the first layer with
+    its own; the failed hook's layer is copied after the forward pass (and counted). The
+    chunk is stored whole."""
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    real = worker._plan_rows
+
+    def fails_once(*args: object) -> object:
+        worker._plan_rows = real
+        raise RuntimeError("an unforeseen fault")
+
+    try:
+        worker._plan_rows = fails_once
+        key, ids = os.urandom(32), list(range(PER_CHUNK))
+        meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
+        names = list(caches)
+        worker.save_layer(meta, names[0])
+        with pytest.raises(RuntimeError, match="unforeseen"):
+            worker.save_layer(meta, names[1])
+        for name in names[2:]:
+            worker.save_layer(meta, name)
+        assert worker._copied == [True, False] + [True] * (G.layers - 2)
+        worker.finish_saves(meta)
+        assert worker.stats["save_layers_after_forward"] == 1
+        copies.complete_all()
+        assert store.flush(30)
+        _assert_stored(store, key, caches, ids)
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
+
+
+def test_metadata_used_again_after_wait_for_save_starts_a_new_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of one hook (a model of one layer, as far as the hooks go): ``wait_for_save``
+    plans and copies it, also when it is not given the metadata. If the next step's
+    metadata is the same object, its first hook is still a first hook (it enqueues
+    nothing), and both steps' chunks are stored whole."""
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+
+    store, worker, caches, copies = _rig(tmp_path)
+    order = _log_copies(monkeypatch, copies)
+    try:
+        names = list(caches)
+        key, ids = os.urandom(32), list(range(PER_CHUNK))
+        meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
+        worker.save_layer(meta, names[0])
+        assert order == []
+        worker.finish_saves(None)
+        assert order.count("host copy") == G.layers
+        copies.complete_all()
+        assert store.flush(30)
+        _assert_stored(store, key, caches, ids)
+        key2, ids2 = os.urandom(32), list(range(PER_CHUNK, 2 * PER_CHUNK))
+        meta.saves[:] = [SaveSpec("r", (key2,), 0, G.chunk_tokens, ids2)]
+        del order[:]
+        worker.save_layer(meta, names[0])
+        assert order == []
+        for name in names[1:]:
+            worker.save_layer(meta, name)
+        worker.finish_saves(meta)
+        copies.complete_all()
+        assert store.flush(30)
+        _assert_stored(store, key2, caches, ids2)
     finally:
         copies.complete_all()
         worker.close()

@@ -514,7 +514,7 @@ def test_an_index_buffer_taken_by_a_save_plan_that_failed_is_given_back(tmp_path
         worker.save_layer(meta, "layer.0")  # (the step's first hook plans nothing)
         with pytest.raises(RuntimeError, match="unforeseen"):
             worker.save_layer(meta, "layer.1")
-        for step in range(3):  # (the planning is retried by the next hook, and then works)
+        for step in range(3):  # (the next steps plan, and then it works)
             save_step(worker, caches, [SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens,
                                                 list(range(step * PER_CHUNK, (step + 1) * PER_CHUNK)))])
         assert len(worker._save_index._all) == 1  # (on the CPU a buffer is free again at once)
