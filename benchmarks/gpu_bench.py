@@ -315,7 +315,9 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
     that waits for that layer as the worker's hooks do, by that layer's work of a ``chunks``-
     chunk save (:func:`side_rig`, a KV cache per layer): its gather alone, the tables indexed
     as each element type (``gather_<type>``); its copies from the stage to pinned host memory
-    alone (``copies``); or both, as kvtier does them (``save``). Each is timed on the compute
+    alone (``copies``); or both, as kvtier does them (``save``); and kvtier's gather enqueued
+    on the compute stream itself, in line with the forward pass (``gather_inline``: whether
+    a gather costs the model less in its way than beside it). Each is timed on the compute
     stream alone (two events: the forward pass's own time, what the next step waits for), in
     pairs with a plain pass, in turn first and second, each after an untimed plain pass. Per
     part: the median ratio less one (``overhead``), the median added time per layer
@@ -342,6 +344,8 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
     work = {f"gather_{_type_name(t)}": (lambda layer, ts=ts: gather(ts, layer)) for t, ts in rig.by_type.items()}
     work["copies"] = copies
     work["save"] = lambda layer: (gather(rig.kvtier, layer), copies(layer))
+    work["gather_inline"] = lambda layer: gather(rig.kvtier, layer)
+    inline = work["gather_inline"]  # (on the compute stream: no side stream, no wait)
     fwd = Forward(g.layers, device, forward_s)
     side = torch.cuda.Stream(device) if cuda else None
 
@@ -356,7 +360,7 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
             fwd.layer()
             if each_layer is None:
                 continue
-            if side is None:
+            if side is None or each_layer is inline:
                 each_layer(layer)
                 continue
             computed = torch.cuda.current_stream(device).record_event()
