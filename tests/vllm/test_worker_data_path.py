@@ -640,7 +640,8 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert min(x["gather_gbs"].values()) > 0 and min(x["scatter_gbs"].values()) > 0
         # each part of a save's side-stream work, beside a forward pass it did not break
         parts = report["interference"][c]
-        assert set(parts) == {"gather_float32", "gather_int64", "gather_complex128", "copies", "save", "forward_ms"}
+        assert set(parts) == {"gather_float32", "gather_int64", "gather_complex128", "copies", "save", "gather_inline",
+                              "forward_ms"}
         assert parts.pop("forward_ms") > 0
         for part in parts.values():
             assert all(math.isfinite(v) for v in part.values()) and part["low"] <= part["overhead"] <= part["high"]
