@@ -144,6 +144,47 @@ def test_cuda_the_model_thread_never_waits_for_copies(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("content", ["kv_last", "cpu"])
+def test_cuda_each_layer_is_saved_as_its_compute_wrote_it(tmp_path: Path, content: str) -> None:
+    """As in a forward pass, each layer's KV is written on the compute stream, all of it
+    queued behind 0.3 s of matmuls, and then that layer's hook runs (the step's first hook
+    enqueues nothing; the second copies the first layer with its own). Every layer of every
+    chunk is saved as written, none as the NaNs the blocks held before, and the host was done
+    before the compute: the side stream waited for each layer on the device."""
+    from kvtier.testing.worker_rig import load_sync
+    from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
+
+    chunks = 2
+    g = _rank(8, 4 * chunks * 16)
+    per_chunk = g.chunk_tokens // g.block_size
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * chunks * g.chunk_bytes,
+                      write_queue_bytes=4 * chunks * g.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, content, "cuda")
+        final = {name: torch.randn(c.shape, device="cuda").to(c.dtype) for name, c in caches.items()}
+        for c in caches.values():
+            c.fill_(float("nan"))
+        src = [list(range(j * per_chunk, (j + 1) * per_chunk)) for j in range(chunks)]
+        keys = [(bytes([j + 1]) * 32,) for j in range(chunks)]
+        meta = KVTierMetadata(saves=[SaveSpec("r", k, 0, g.chunk_tokens, ids) for k, ids in zip(keys, src, strict=True)])
+        _busy_compute()
+        for name, c in caches.items():
+            c.copy_(final[name])
+            worker.save_layer(meta, name)
+        worker.finish_saves(meta)
+        assert not torch.cuda.current_stream().query()  # the compute is still running
+        assert store.flush(60)
+        dest = [[b + chunks * per_chunk for b in ids] for ids in src]
+        load_sync(worker, [LoadSpec("l", [ChunkLoad(k, 0, g.chunk_tokens, 0, ids)
+                                          for k, ids in zip(keys, dest, strict=True)], sync=True)])
+        assert not worker.take_load_errors()
+        flat = torch.tensor([b for ids in src for b in ids], device="cuda")
+        moved = torch.tensor([b for ids in dest for b in ids], device="cuda")
+        for name, c in caches.items():
+            assert torch.equal(c[moved], final[name][flat]), name
+        worker.close()
+
+
+@pytest.mark.parametrize("content", ["kv_last", "cpu"])
 def test_cuda_a_long_prefill_steps_saves_and_load_never_wait(tmp_path: Path, content: str) -> None:
     """A Llama-3-8B-sized rank (32 layers) saving 16 chunks in one step, then loading them
     synchronously, with the forward pass queued: neither blocks the host until the compute
