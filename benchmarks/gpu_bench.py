@@ -25,7 +25,8 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
   CPU seconds per GB loaded of each;
 - the wall-time overhead of saving on a simulated forward pass (large matmuls per layer on
   the compute stream, which the host enqueues far ahead of the device, as in a real prefill
-  or a replayed CUDA graph): prefill saving ``--chunks`` chunks, decode saving one, and
+  or a replayed CUDA graph; each layer's hook after its attention's share of them, as in
+  vLLM: ``ATTENTION_SHARE``): prefill saving ``--chunks`` chunks, decode saving one, and
   decode saving one under a full CUDA graph (no layer hook runs: ``wait_for_save`` copies
   every layer); with the host time spent inside kvtier's hooks in that step (what a
   launch-bound forward pass would pay in full; with the device far behind it also counts
@@ -357,16 +358,17 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         for layer in range(g.layers):
-            fwd.layer()
+            fwd.attention()
             if each_layer is None:
-                continue
-            if side is None or each_layer is inline:
+                pass
+            elif side is None or each_layer is inline:
                 each_layer(layer)
-                continue
-            computed = torch.cuda.current_stream(device).record_event()
-            with torch.cuda.stream(side):
-                side.wait_event(computed)
-                each_layer(layer)
+            else:
+                computed = torch.cuda.current_stream(device).record_event()
+                with torch.cuda.stream(side):
+                    side.wait_event(computed)
+                    each_layer(layer)
+            fwd.rest()
         if not cuda:
             return time.perf_counter() - t0
         end.record()
@@ -441,13 +443,24 @@ def raw_disk_read(files: list[Path]) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
+# The share of a layer's compute that comes before vLLM's save hook: the hook runs at the
+# end of the attention op, before the output projection and the MLP. For Llama-3-8B per
+# token of a 4,096-token prefill: the QKV projection (25 M multiply-adds) and causal
+# attention over 2,048 keys on average (17 M) before it; the output projection (17 M) and
+# the MLP (176 M) after it.
+ATTENTION_SHARE = 0.18
+
+
 class Forward:
     """A stand-in forward pass: matmuls per layer on the compute stream, sized so the whole
     pass takes about ``seconds``. On CUDA they are large (4096 square), a few per layer, so
     the host enqueues them far faster than the device runs them, as in a real prefill or a
     replayed CUDA graph: kvtier's work on the model's thread then costs wall time only if it
     blocks or outlasts that slack (its host time is reported on its own). With small ones
-    the pass is launch-bound and every microsecond of host work adds to it."""
+    the pass is launch-bound and every microsecond of host work adds to it. A layer is
+    ``attention()`` then ``rest()``, the hook between them as in vLLM (``ATTENTION_SHARE``
+    of its matmuls first, one at least): so at a layer's hook the device has only that much
+    of it queued."""
 
     def __init__(self, layers: int, device: torch.device, seconds: float) -> None:
         self.device = device
@@ -458,12 +471,24 @@ class Forward:
         self.layer()  # (the first runs pay for the library's start-up)
         per = timed(lambda: self.layer(), device, 3)
         self.reps = max(1, round(seconds / layers / max(per, 1e-6)))
+        self.before_hook = max(1, round(ATTENTION_SHARE * self.reps))
 
-    def layer(self) -> None:
+    def _matmuls(self, n: int) -> None:
         x = self.a
-        for _ in range(self.reps):
+        for _ in range(n):
             x = x @ self.a
             x = x * 1e-3
+
+    def attention(self) -> None:
+        """A layer's compute up to vLLM's save hook."""
+        self._matmuls(self.before_hook)
+
+    def rest(self) -> None:
+        """The rest of the layer, after its hook."""
+        self._matmuls(self.reps - self.before_hook)
+
+    def layer(self) -> None:
+        self._matmuls(self.reps)
 
 
 def run_content(content: str, g: Geometry, device: torch.device, chunks: int, steps: int,
@@ -588,11 +613,12 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 hook_s[0] = 0.0
                 t_step = time.perf_counter()
                 for name in names:
-                    fwd.layer()
+                    fwd.attention()
                     if saves and hooks:
                         t0 = time.perf_counter()
                         worker.save_layer(meta, name)
                         hook_s[0] += time.perf_counter() - t0
+                    fwd.rest()
                 t0 = time.perf_counter()
                 worker.finish_saves(meta)
                 worker.get_finished(set())
