@@ -40,10 +40,12 @@ heads, head_dim 128, bf16, block 16, 256-token chunks: 32 MiB); 8 layers on the 
   chunks (blocks spread over the cache), indexed as the KV's own element type and as each
   wider one the layout allows (kvtier takes the widest: 16-byte elements for a bf16 head of
   128), beside a plain device copy of the same bytes;
-- what a save's side-stream work costs a forward pass beside it, part by part: each layer
-  followed on the side stream by that layer's gather alone (each element type), its copies
-  to pinned host memory alone, or both as kvtier does them, the forward pass timed on the
-  compute stream (which of them, if any, delays the model's next kernels);
+- what a save's side-stream work costs a forward pass beside it, part by part: in each
+  layer, from its hook on (after the attention's share, beside the rest of the layer), that
+  layer's gather alone (each element type), its copies to pinned host memory alone, or both
+  as kvtier does them, on the side stream, or the gather on the compute stream itself; the
+  forward pass timed on the compute stream (which of them, if any, delays the model's next
+  kernels);
 - buffers allocated during the measured (warm) steps: pool slots and index buffers;
 - the worker's start, which reserves the whole pool (``host_bytes + write_queue_bytes``).
 Targets (issue 7) are checked only on CUDA; a CPU run says so.
@@ -312,8 +314,9 @@ def index_rates(content: str, g: Geometry, device: torch.device, chunks: int, re
 def interference(content: str, g: Geometry, device: torch.device, chunks: int, forward_s: float,
                  pairs: int) -> dict[str, object]:
     """What a save's work on the side stream costs a forward pass beside it, part by part: a
-    stand-in forward pass (:class:`Forward`) whose every layer is followed, on a side stream
-    that waits for that layer as the worker's hooks do, by that layer's work of a ``chunks``-
+    stand-in forward pass (:class:`Forward`) in each of whose layers, where vLLM's hook comes
+    (after the attention's share, beside the rest of the layer), a side stream that waits
+    for the compute so far, as the worker's hooks do, runs that layer's work of a ``chunks``-
     chunk save (:func:`side_rig`, a KV cache per layer): its gather alone, the tables indexed
     as each element type (``gather_<type>``); its copies from the stage to pinned host memory
     alone (``copies``); or both, as kvtier does them (``save``); and kvtier's gather enqueued
@@ -664,6 +667,7 @@ def run_content(content: str, g: Geometry, device: torch.device, chunks: int, st
                 out[f"next_step_{kind}"] = statistics.median(next_ratios) - 1
             plain = statistics.median(plains)
             out["forward_ms"] = plain * 1e3
+            out["hook_after_share"] = fwd.before_hook / fwd.reps  # (ATTENTION_SHARE in whole matmuls)
             # the noise floor: how far two plain passes timed alike differ (median)
             out["forward_noise"] = statistics.median(abs(b / a - 1) for a, b in zip(plains[::2], plains[1::2], strict=True))
             if trace is not None and not traced:  # one step of each kind, as the device ran it
@@ -848,7 +852,8 @@ def main() -> None:
               f"| {r['cold_load_async_gbs']:.2f} ({r['cold_load_async_gbs'] / r['disk_read_gbs']:.2f}x) "
               f"| {r['cold_load_direct_gbs']:.2f} ({r['cold_load_direct_gbs'] / r['disk_read_gbs']:.2f}x); CPU-s/GB "
               f"{r['cold_load_direct_cpu_s_per_gb']:.2f} vs {r['cold_load_cpu_s_per_gb']:.2f} "
-              f"| {100 * r['overhead_prefill']:+.1f}% of {r['forward_ms']:.1f} ms; hooks {r['hooks_ms_prefill']:.1f} ms "
+              f"| {100 * r['overhead_prefill']:+.1f}% of {r['forward_ms']:.1f} ms (hooks after {100 * r['hook_after_share']:.0f}% "
+              f"of each layer); hooks {r['hooks_ms_prefill']:.1f} ms "
               f"| {100 * r['overhead_decode']:+.1f}%; hooks {r['hooks_ms_decode']:.2f} ms "
               f"| {100 * r['overhead_decode_graph']:+.1f}%; {r['hooks_ms_decode_graph']:.2f} ms "
               f"| {100 * r['next_step_prefill']:+.1f}% / {100 * r['next_step_decode']:+.1f}% "

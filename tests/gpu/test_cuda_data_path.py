@@ -145,29 +145,41 @@ def test_cuda_the_model_thread_never_waits_for_copies(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("content", ["kv_last", "cpu"])
 def test_cuda_each_layer_is_saved_as_its_compute_wrote_it(tmp_path: Path, content: str) -> None:
-    """As in a forward pass, each layer's KV is written on the compute stream, all of it
-    queued behind 0.3 s of matmuls, and then that layer's hook runs (the step's first hook
-    enqueues nothing; the second copies the first layer with its own). Every layer of every
-    chunk is saved as written, none as the NaNs the blocks held before, and the host was done
-    before the compute: the side stream waited for each layer on the device."""
-    from kvtier.testing.worker_rig import load_sync
+    """As in a forward pass, each layer's KV is written on the compute stream behind about
+    30 ms of device work of its own (``torch.cuda._sleep``), and then that layer's hook runs
+    (the step's first hook enqueues nothing; the second copies the first layer with its
+    own). Every layer of every chunk is saved as written, none as the NaNs the blocks held
+    before, and the host was done before the compute: the side stream waited on the device
+    for each layer (a hook that did not wait would gather its layer while the compute
+    stream still sleeps before writing it)."""
+    from kvtier.testing.worker_rig import load_sync, save_step
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
     chunks = 2
-    g = _rank(8, 4 * chunks * 16)
+    g = _rank(8, 5 * chunks * 16)
     per_chunk = g.chunk_tokens // g.block_size
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * chunks * g.chunk_bytes,
                       write_queue_bytes=4 * chunks * g.chunk_bytes)
     with ChunkStore(cfg) as store:
         worker, caches = make_worker(store, g, content, "cuda")
         final = {name: torch.randn(c.shape, device="cuda").to(c.dtype) for name, c in caches.items()}
+        # every kernel below runs once first: CUDA loads a kernel's code on its first launch
+        # and may synchronize the device to do it, which under the queued work would fail
+        # the host's check below for the wrong reason
+        for name, c in caches.items():
+            c.copy_(final[name])
+        torch.cuda._sleep(1)
+        save_step(worker, caches, [SaveSpec("w", (b"w" * 32,), 0, g.chunk_tokens,
+                                            list(range(4 * chunks * per_chunk, (4 * chunks + 1) * per_chunk)))])
+        assert store.flush(60)
         for c in caches.values():
             c.fill_(float("nan"))
+        torch.cuda.synchronize()
         src = [list(range(j * per_chunk, (j + 1) * per_chunk)) for j in range(chunks)]
         keys = [(bytes([j + 1]) * 32,) for j in range(chunks)]
         meta = KVTierMetadata(saves=[SaveSpec("r", k, 0, g.chunk_tokens, ids) for k, ids in zip(keys, src, strict=True)])
-        _busy_compute()
         for name, c in caches.items():
+            torch.cuda._sleep(50_000_000)  # (cycles: about 30 ms at a GPU's 1.5-2 GHz)
             c.copy_(final[name])
             worker.save_layer(meta, name)
         worker.finish_saves(meta)
