@@ -362,11 +362,9 @@ def interference(content: str, g: Geometry, device: torch.device, chunks: int, f
             start.record()
         for layer in range(g.layers):
             fwd.attention()
-            if each_layer is None:
-                pass
-            elif side is None or each_layer is inline:
+            if each_layer is not None and (side is None or each_layer is inline):
                 each_layer(layer)
-            else:
+            elif each_layer is not None:  # (on the side stream, after the compute so far)
                 computed = torch.cuda.current_stream(device).record_event()
                 with torch.cuda.stream(side):
                     side.wait_event(computed)

@@ -8,7 +8,9 @@ On a GPU the hooks only enqueue copies, so what they cost the forward pass is th
 spent in them: planning, indexing ops and copies enqueued, handing the chunks to the store.
 The first two hooks are reported on their own: they run while the device has only the first
 layer's work queued (the first) or a layer and a half (the second, which plans the step), so
-their time, unlike the later hooks', can idle the device.
+their time, unlike the later hooks', can idle the device. With the PyTorch operations each
+issues, counted in one more step, untimed (``top_level_ops``): a profiler trace slows the
+host by each one.
 This measures that time on the CPU with a KV cache so small (one KV head, head_dim 8) that the
 copies themselves cost little (a gather from the strided ``kv_last`` layout still runs element
 by element on the CPU, about 30 µs per layer of 16 chunks here as 16-byte elements, 50 as
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -57,10 +60,14 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
             args = {} if copy_bytes is None else {"copy_bytes": copy_bytes}
             worker, caches = make_worker(store, g, "kv_last", "cpu", **args)
             hooks, finish, first, second = [], [], [], []
-            for step in range(steps + 5):  # (the first five warm up)
-                meta = KVTierMetadata(saves=[SaveSpec("r", (os.urandom(32),), 0, g.chunk_tokens,
+            names = list(caches)
+
+            def step_meta() -> KVTierMetadata:
+                return KVTierMetadata(saves=[SaveSpec("r", (os.urandom(32),), 0, g.chunk_tokens,
                                                       list(range(j * per, (j + 1) * per))) for j in range(chunks)])
-                names = list(caches)
+
+            for step in range(steps + 5):  # (the first five warm up)
+                meta = step_meta()
                 t0 = time.perf_counter()
                 worker.save_layer(meta, names[0])
                 t_first = time.perf_counter()
@@ -78,6 +85,12 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
                     finish.append(t2 - t1)
                 store.flush(60)
                 worker.get_finished(set())
+            meta = step_meta()  # one more step, untimed: the first two hooks' operations counted
+            ops = {"first_hook_ops": top_level_ops(lambda: worker.save_layer(meta, names[0])),
+                   "second_hook_ops": top_level_ops(lambda: worker.save_layer(meta, names[1]))}
+            for name in names[2:]:
+                worker.save_layer(meta, name)
+            worker.finish_saves(meta)
             worker.close()
 
     def pct(xs: list[float], q: float) -> float:
@@ -87,7 +100,18 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
     return {"first_hook_ms": statistics.median(first) * 1e3, "second_hook_ms": statistics.median(second) * 1e3,
             "save_layer_ms": statistics.median(hooks) * 1e3, "wait_for_save_ms": statistics.median(finish) * 1e3,
             "wait_for_save_p90_ms": pct(finish, 0.9), "step_ms": statistics.median(total) * 1e3,
-            "step_p90_ms": pct(total, 0.9)}
+            "step_p90_ms": pct(total, 0.9), **ops}
+
+
+def top_level_ops(call: Callable[[], object]) -> int:
+    """How many PyTorch operations ``call`` issues (ATen ops not called by another one): on a
+    GPU each is at least one enqueued launch or copy, and under a profiler each costs the
+    host more, so a hook's count says how much a trace inflates it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
 def main() -> None:
@@ -115,12 +139,13 @@ def main() -> None:
             out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
             rows.append((r + 1, label, json.loads(out.stdout.strip().splitlines()[-1])))
     print(f"{args.chunks} chunks per step, 32 layers, {args.steps} steps per run (host time, ms)\n")
-    print("| round | code | first save_kv_layer (median) | second | save_kv_layer, all layers (median) "
-          "| wait_for_save (median / p90) | step (median / p90) |")
+    print("| round | code | first save_kv_layer (median; ops) | second (median; ops) "
+          "| save_kv_layer, all layers (median) | wait_for_save (median / p90) | step (median / p90) |")
     print("|---|---|---|---|---|---|---|")
     nan = float("nan")  # (a checkout too old to report a hook on its own)
     for r, label, m in rows:
-        print(f"| {r} | {label} | {m.get('first_hook_ms', nan):.3f} | {m.get('second_hook_ms', nan):.3f} "
+        print(f"| {r} | {label} | {m.get('first_hook_ms', nan):.3f}; {m.get('first_hook_ops', nan):.0f} "
+              f"| {m.get('second_hook_ms', nan):.3f}; {m.get('second_hook_ops', nan):.0f} "
               f"| {m['save_layer_ms']:.2f} | {m['wait_for_save_ms']:.2f} / {m['wait_for_save_p90_ms']:.2f} "
               f"| {m['step_ms']:.2f} / {m['step_p90_ms']:.2f} |")
     if args.json:

@@ -328,10 +328,11 @@ class WorkerSide:
             self._step_meta, self._first_layer = meta, li
             return
         with self.copies.after_compute():
-            hooked = [li]
             if self._staged is None:  # the step's second hook: plan its saves once (retried
                 self._plan_saves(meta)  # by the next hook if it fails)
-                hooked.insert(0, self._first_layer)
+                hooked = [self._first_layer, li]
+            else:
+                hooked = [li]
             # a group of layers is copied once every layer of it has been computed (its hook
             # ran: hooks need not come in the layers' order)
             for i in hooked:
@@ -408,7 +409,7 @@ class WorkerSide:
         """Copy group ``k`` of layers of this step's saves into their buffers (inside
         ``after_compute``): per batch, its layers gathered into their slots of the stage, then
         one copy per chunk."""
-        if self._copied[k] or self._staged is None:
+        if self._copied[k]:
             return
         for batch in self._save_batches:
             self._gather_group(k, batch.plan, self._stage)

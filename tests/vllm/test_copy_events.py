@@ -11,9 +11,11 @@ else is the real ``WorkerSide``, ``ChunkStore`` and files; the copies themselves
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,7 +68,11 @@ class GatedCopies(CopyStream):
             e.complete()
 
 
-def _rig(tmp_path: Path, pool_chunks: int = 4, **worker_args: object):  # noqa: ANN202
+@contextlib.contextmanager
+def _rig(tmp_path: Path, pool_chunks: int = 4,
+         **worker_args: object) -> Iterator[tuple[ChunkStore, WorkerSide, dict[str, torch.Tensor], GatedCopies]]:
+    """A store and a worker whose copy stream is :class:`GatedCopies`, over random KV; on
+    the way out every event completes (nothing waits on one forever) and both close."""
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=pool_chunks * G.chunk_bytes,
                       write_queue_bytes=pool_chunks * G.chunk_bytes, io_threads=2)
     store = ChunkStore(cfg)
@@ -75,7 +81,12 @@ def _rig(tmp_path: Path, pool_chunks: int = 4, **worker_args: object):  # noqa: 
     gen = torch.Generator().manual_seed(1)
     for c in caches.values():
         c.copy_(torch.randn(c.shape, generator=gen))
-    return store, worker, caches, copies
+    try:
+        yield store, worker, caches, copies
+    finally:
+        copies.complete_all()
+        worker.close()
+        store.close()
 
 
 def _blocks(caches: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
@@ -123,9 +134,8 @@ def test_the_first_hook_enqueues_nothing_and_the_second_copies_both_layers(
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
     # a stage of four chunks' layers: two chunks fit one batch, six do not
-    store, worker, caches, copies = _rig(tmp_path, pool_chunks=8, stage_bytes=4 * G.chunk_bytes // G.layers)
-    order = _log_copies(monkeypatch, copies)
-    try:
+    with _rig(tmp_path, pool_chunks=8, stage_bytes=4 * G.chunk_bytes // G.layers) as (store, worker, caches, copies):
+        order = _log_copies(monkeypatch, copies)
         keys = [os.urandom(32) for _ in range(chunks)]
         ids = [list(range(j * PER_CHUNK, (j + 1) * PER_CHUNK)) for j in range(chunks)]
         meta = KVTierMetadata(saves=[SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)])
@@ -153,10 +163,6 @@ def test_the_first_hook_enqueues_nothing_and_the_second_copies_both_layers(
         assert store.flush(30)
         for k, b in zip(keys, ids, strict=True):
             _assert_stored(store, k, caches, b)
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 @pytest.mark.parametrize("left", ["one hook", "two hooks"])
@@ -171,9 +177,8 @@ def test_a_step_that_never_finished_lends_nothing_to_the_next(
     and its own chunk is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    order = _log_copies(monkeypatch, copies)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
+        order = _log_copies(monkeypatch, copies)
         names = list(caches)
         old_key = os.urandom(32)
         old = KVTierMetadata(saves=[SaveSpec("r", (old_key,), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
@@ -196,10 +201,6 @@ def test_a_step_that_never_finished_lends_nothing_to_the_next(
         assert store.flush(30)
         _assert_stored(store, key, caches, ids)
         assert store.backend.present_each([old_key]) == [False]
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_path: Path) -> None:
@@ -209,14 +210,13 @@ def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_
     chunk is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    real = worker._plan_rows
+    with _rig(tmp_path) as (store, worker, caches, copies):
+        real = worker._plan_rows
 
-    def fails_once(*args: object) -> object:
-        worker._plan_rows = real
-        raise RuntimeError("an unforeseen fault")
+        def fails_once(*args: object) -> object:
+            worker._plan_rows = real
+            raise RuntimeError("an unforeseen fault")
 
-    try:
         worker._plan_rows = fails_once
         key, ids = os.urandom(32), list(range(PER_CHUNK))
         meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
@@ -232,10 +232,6 @@ def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_
         copies.complete_all()
         assert store.flush(30)
         _assert_stored(store, key, caches, ids)
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 def test_metadata_used_again_after_wait_for_save_starts_a_new_step(
@@ -246,9 +242,8 @@ def test_metadata_used_again_after_wait_for_save_starts_a_new_step(
     nothing), and both steps' chunks are stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    order = _log_copies(monkeypatch, copies)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
+        order = _log_copies(monkeypatch, copies)
         names = list(caches)
         key, ids = os.urandom(32), list(range(PER_CHUNK))
         meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
@@ -270,10 +265,6 @@ def test_metadata_used_again_after_wait_for_save_starts_a_new_step(
         copies.complete_all()
         assert store.flush(30)
         _assert_stored(store, key2, caches, ids2)
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 @pytest.mark.parametrize("whole", [False, True])
@@ -286,9 +277,8 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
     for those."""
     from kvtier.vllm.metadata import SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path, save_copy_bytes=G.chunk_bytes if whole else 0)
-    order = _log_copies(monkeypatch, copies)
-    try:
+    with _rig(tmp_path, save_copy_bytes=G.chunk_bytes if whole else 0) as (store, worker, caches, copies):
+        order = _log_copies(monkeypatch, copies)
         key, ids = os.urandom(32), list(range(PER_CHUNK))
         save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
         per_group = ["gather"] * G.layers + ["event", "host copy"] if whole else ["gather", "event", "host copy"] * G.layers
@@ -310,10 +300,6 @@ def test_a_save_is_written_only_after_its_copies_and_the_compute_stream_waits_fo
         assert not worker._in_flight
         store.host.clear()
         _assert_stored(store, key, caches, ids)
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 @pytest.mark.parametrize("whole", [False, True])
@@ -327,9 +313,8 @@ def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
     ``save_copy_bytes``; else one copy per layer, the default)."""
     from kvtier.vllm.metadata import SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path, save_copy_bytes=G.chunk_bytes if whole else 0)
-    order = _log_copies(monkeypatch, copies)
-    try:
+    with _rig(tmp_path, save_copy_bytes=G.chunk_bytes if whole else 0) as (store, worker, caches, copies):
+        order = _log_copies(monkeypatch, copies)
         keys = [os.urandom(32), os.urandom(32)]
         ids = [list(range(PER_CHUNK)), list(range(PER_CHUNK, 2 * PER_CHUNK))]
         save_step(worker, caches, [SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)],
@@ -345,10 +330,6 @@ def test_under_a_replayed_cuda_graph_the_next_step_waits_only_for_the_gathers(
         store.host.clear()
         for key, b in zip(keys, ids, strict=True):
             _assert_stored(store, key, caches, b)
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 @pytest.mark.parametrize("whole", [False, True])
@@ -359,8 +340,6 @@ def test_every_device_copy_is_enqueued_on_the_side_stream_after_the_compute(
     are the same synchronous copy, so this checks where each is enqueued. Saves with and
     without layer hooks, synchronous loads, and an asynchronous load copied chunk by chunk
     from disk (``whole``: every layer of a chunk in one copy, saves and loads alike)."""
-    import contextlib
-
     from kvtier.testing.worker_rig import long_load_from_disk, save_and_reload
     from kvtier.vllm.block_rows import BlockRows
     from kvtier.vllm.device import StepIndex
@@ -409,8 +388,7 @@ def test_every_device_copy_is_enqueued_on_the_side_stream_after_the_compute(
 def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path) -> None:
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec, SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
         key, ids = os.urandom(32), list(range(PER_CHUNK))
         save_step(worker, caches, [SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
         copies.complete_all()
@@ -432,10 +410,6 @@ def test_an_async_load_is_reported_only_once_its_copies_are_done(tmp_path: Path)
         assert worker.take_load_errors() == set(missing)
         assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest), want, strict=True))
         assert not worker._in_flight and not worker._reporting  # its host buffers are let go
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 def _saved_chunks(store: ChunkStore, worker: WorkerSide, caches: dict[str, torch.Tensor],
@@ -496,8 +470,7 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
     blocks and every later chunk's, and the chunks copied before it stay."""
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
         keys, src = _saved_chunks(store, worker, caches, copies, 3)
         want = [_blocks(caches, ids) for ids in src]
         dest = [list(range((3 + i) * PER_CHUNK, (4 + i) * PER_CHUNK)) for i in range(3)]
@@ -537,10 +510,6 @@ def test_an_async_load_copies_each_chunk_as_it_arrives(tmp_path: Path) -> None:
             del store.load_many  # the store's own again
             for c in caches.values():
                 c[torch.tensor([b for d in dest for b in d])] = 0
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 def test_a_failed_copy_fails_its_chunks_and_every_later_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -550,8 +519,7 @@ def test_a_failed_copy_fails_its_chunks_and_every_later_one(tmp_path: Path, monk
     from kvtier.vllm import worker_side
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
         keys, src = _saved_chunks(store, worker, caches, copies, 3)
         want = _blocks(caches, src[0])
         dest = [list(range((3 + i) * PER_CHUNK, (4 + i) * PER_CHUNK)) for i in range(3)]
@@ -582,10 +550,6 @@ def test_a_failed_copy_fails_its_chunks_and_every_later_one(tmp_path: Path, monk
         assert worker.take_load_errors() == set(dest[1]) | set(dest[2])
         assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, dest[0]), want, strict=True))
         assert not worker._in_flight and not worker._reporting
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 def test_a_long_sync_load_copies_early_batches_and_its_last_layer_by_layer(tmp_path: Path) -> None:
@@ -595,8 +559,7 @@ def test_a_long_sync_load_copies_early_batches_and_its_last_layer_by_layer(tmp_p
     before it, and every block comes back."""
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
         batch = worker._arrived_max
         n = 2 * batch + 1
         keys, src = _saved_chunks(store, worker, caches, copies, n)
@@ -617,10 +580,6 @@ def test_a_long_sync_load_copies_early_batches_and_its_last_layer_by_layer(tmp_p
             worker.get_finished(set())
             assert not worker._in_flight
             base += count * PER_CHUNK
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 @pytest.mark.parametrize("fault", ["missing", "raises"])
@@ -633,8 +592,7 @@ def test_a_long_sync_load_that_fails_after_its_early_copies_still_fences_them(
     blocks or recomputes them, must wait for them."""
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
         batch = worker._arrived_max
         keys, src = _saved_chunks(store, worker, caches, copies, batch + (fault == "raises"))
         if fault == "missing":
@@ -669,10 +627,6 @@ def test_a_long_sync_load_that_fails_after_its_early_copies_still_fences_them(
                 assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
         else:
             assert errors == {b for d in dest for b in d}
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 def test_a_sync_load_before_a_full_cuda_graph_is_waited_for_whole(tmp_path: Path) -> None:
@@ -682,8 +636,7 @@ def test_a_sync_load_before_a_full_cuda_graph_is_waited_for_whole(tmp_path: Path
     come back."""
     from kvtier.vllm.metadata import ChunkLoad, KVTierMetadata, LoadSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
         keys, src = _saved_chunks(store, worker, caches, copies, 2)
         want = [_blocks(caches, ids) for ids in src]
         dest = [list(range((2 + i) * PER_CHUNK, (3 + i) * PER_CHUNK)) for i in range(2)]
@@ -697,17 +650,12 @@ def test_a_sync_load_before_a_full_cuda_graph_is_waited_for_whole(tmp_path: Path
         assert worker.take_load_errors() == set()
         for d, w in zip(dest, want, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(_blocks(caches, d), w, strict=True))
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()
 
 
 def test_an_index_buffer_is_reused_only_after_its_copies(tmp_path: Path) -> None:
     from kvtier.vllm.metadata import SaveSpec
 
-    store, worker, caches, copies = _rig(tmp_path)
-    try:
+    with _rig(tmp_path) as (store, worker, caches, copies):
         for step in range(3):  # the first step's copies stay pending
             save_step(worker, caches, [SaveSpec("r", (os.urandom(32),), 0, G.chunk_tokens,
                                                 list(range(step * PER_CHUNK, (step + 1) * PER_CHUNK)))])
@@ -717,7 +665,3 @@ def test_an_index_buffer_is_reused_only_after_its_copies(tmp_path: Path) -> None
         assert len(ring._all) == 2  # step 1 could not take step 0's buffer; step 2 took step 1's
         copies.complete_all()
         assert store.flush(30)
-    finally:
-        copies.complete_all()
-        worker.close()
-        store.close()

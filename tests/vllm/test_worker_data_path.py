@@ -632,6 +632,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["pool_slots"] <= r["pool_cap_slots"] and r["dropped_saves"] == 0
         assert r["save_gbs"] > 0 and r["host_load_gbs"] > 0 and r["cold_load_gbs"] > 0
         assert r["cold_load_async_gbs"] > 0
+        assert 0 < r["hook_after_share"] <= 1  # (the hooks come inside each layer, after its attention)
     report = json.loads(out.read_text())
     for c in ("kv_last", "cpu"):  # the smoke geometry is float32, rows of 16 bytes or more
         x = report["indexing"][c]
@@ -693,6 +694,7 @@ def test_the_hook_host_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     assert [r["code"] for r in rows] == ["this checkout", "--against"]
     assert all(r["wait_for_save_ms"] > 0 and r["step_ms"] >= r["save_layer_ms"] for r in rows)
     assert all(0 < r["first_hook_ms"] < r["second_hook_ms"] for r in rows)  # (the second plans)
+    assert all(r["first_hook_ops"] == 0 < r["second_hook_ops"] for r in rows)  # (the first enqueues nothing)
 
 
 def test_a_step_reads_no_index_and_skips_what_is_stored_or_queued(tmp_path: Path) -> None:
