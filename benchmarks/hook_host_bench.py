@@ -6,11 +6,11 @@
 
 On a GPU the hooks only enqueue copies, so what they cost the forward pass is the host time
 spent in them: planning, indexing ops and copies enqueued, handing the chunks to the store.
-The first two hooks are reported on their own: they run while the device has only the first
-layer's work queued (the first) or a layer and a half (the second, which plans the step), so
-their time, unlike the later hooks', can idle the device. With the PyTorch operations each
-issues, counted in one more step, untimed (``top_level_ops``): a profiler trace slows the
-host by each one.
+The first three hooks are reported on their own: they run while the device has only the
+first layer's work queued (the first), about a layer more (the second) or two (the third,
+which plans the step), so their time, unlike the later hooks', can idle the device. With the
+PyTorch operations each issues, counted in one more step, untimed (``top_level_ops``): a
+profiler trace slows the host by each one.
 This measures that time on the CPU with a KV cache so small (one KV head, head_dim 8) that the
 copies themselves cost little (a gather from the strided ``kv_last`` layout still runs element
 by element on the CPU, about 30 µs per layer of 16 chunks here as 16-byte elements, 50 as
@@ -28,6 +28,7 @@ on a GPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -39,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# the hooks reported one by one: those that may plan the step, with little compute queued
+FIRST_HOOKS = ("first", "second", "third")
 
 
 def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]:
@@ -59,7 +62,8 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
         with ChunkStore(cfg) as store:
             args = {} if copy_bytes is None else {"copy_bytes": copy_bytes}
             worker, caches = make_worker(store, g, "kv_last", "cpu", **args)
-            hooks, finish, first, second = [], [], [], []
+            hooks, finish = [], []
+            first: list[list[float]] = [[] for _ in FIRST_HOOKS]  # each of the first hooks' times
             names = list(caches)
 
             def step_meta() -> KVTierMetadata:
@@ -69,26 +73,26 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
             for step in range(steps + 5):  # (the first five warm up)
                 meta = step_meta()
                 t0 = time.perf_counter()
-                worker.save_layer(meta, names[0])
-                t_first = time.perf_counter()
-                worker.save_layer(meta, names[1])
-                t_second = time.perf_counter()
-                for name in names[2:]:
+                marks = [t0]
+                for name in names[: len(FIRST_HOOKS)]:
+                    worker.save_layer(meta, name)
+                    marks.append(time.perf_counter())
+                for name in names[len(FIRST_HOOKS):]:
                     worker.save_layer(meta, name)
                 t1 = time.perf_counter()
                 worker.finish_saves(meta)
                 t2 = time.perf_counter()
                 if step >= 5:
-                    first.append(t_first - t0)
-                    second.append(t_second - t_first)
+                    for times, a, b in zip(first, marks, marks[1:], strict=False):
+                        times.append(b - a)
                     hooks.append(t1 - t0)
                     finish.append(t2 - t1)
                 store.flush(60)
                 worker.get_finished(set())
             meta = step_meta()  # one more step, untimed: the first two hooks' operations counted
-            ops = {"first_hook_ops": top_level_ops(lambda: worker.save_layer(meta, names[0])),
-                   "second_hook_ops": top_level_ops(lambda: worker.save_layer(meta, names[1]))}
-            for name in names[2:]:
+            ops = {f"{nth}_hook_ops": top_level_ops(functools.partial(worker.save_layer, meta, name))
+                   for nth, name in zip(FIRST_HOOKS, names, strict=False)}
+            for name in names[len(FIRST_HOOKS):]:
                 worker.save_layer(meta, name)
             worker.finish_saves(meta)
             worker.close()
@@ -97,7 +101,7 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
         return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
 
     total = [a + b for a, b in zip(hooks, finish, strict=True)]
-    return {"first_hook_ms": statistics.median(first) * 1e3, "second_hook_ms": statistics.median(second) * 1e3,
+    return {**{f"{nth}_hook_ms": statistics.median(t) * 1e3 for nth, t in zip(FIRST_HOOKS, first, strict=True)},
             "save_layer_ms": statistics.median(hooks) * 1e3, "wait_for_save_ms": statistics.median(finish) * 1e3,
             "wait_for_save_p90_ms": pct(finish, 0.9), "step_ms": statistics.median(total) * 1e3,
             "step_p90_ms": pct(total, 0.9), **ops}
@@ -139,13 +143,12 @@ def main() -> None:
             out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
             rows.append((r + 1, label, json.loads(out.stdout.strip().splitlines()[-1])))
     print(f"{args.chunks} chunks per step, 32 layers, {args.steps} steps per run (host time, ms)\n")
-    print("| round | code | first save_kv_layer (median; ops) | second (median; ops) "
-          "| save_kv_layer, all layers (median) | wait_for_save (median / p90) | step (median / p90) |")
-    print("|---|---|---|---|---|---|---|")
-    nan = float("nan")  # (a checkout too old to report a hook on its own)
+    print("| round | code | " + " | ".join(f"{nth} save_kv_layer (median; ops)" for nth in FIRST_HOOKS)
+          + " | save_kv_layer, all layers (median) | wait_for_save (median / p90) | step (median / p90) |")
+    print("|---|---|" + "---|" * len(FIRST_HOOKS) + "---|---|---|")
     for r, label, m in rows:
-        print(f"| {r} | {label} | {m.get('first_hook_ms', nan):.3f}; {m.get('first_hook_ops', nan):.0f} "
-              f"| {m.get('second_hook_ms', nan):.3f}; {m.get('second_hook_ops', nan):.0f} "
+        hooks = "".join(f"| {m[f'{nth}_hook_ms']:.3f}; {m[f'{nth}_hook_ops']:.0f} " for nth in FIRST_HOOKS)
+        print(f"| {r} | {label} {hooks}"
               f"| {m['save_layer_ms']:.2f} | {m['wait_for_save_ms']:.2f} / {m['wait_for_save_p90_ms']:.2f} "
               f"| {m['step_ms']:.2f} / {m['step_p90_ms']:.2f} |")
     if args.json:

@@ -254,8 +254,17 @@ def _lend(memory: np.ndarray, start: int, shape: tuple[int, ...], dtype: torch.d
     more: no tensor, view or array, since the tensor's storage keeps ``memory`` alive."""
     if give_back is not None:
         weakref.finalize(memory, give_back, item)
-    t = torch.from_numpy(memory)[start : start + _nbytes(shape, dtype)].view(dtype)
-    return t.view(shape) if t.numel() else t.reshape(shape)
+    if not math.prod(shape):
+        return torch.empty(shape, dtype=dtype)  # (no memory to use: ``memory`` goes back now)
+    # the storage is all of ``memory`` (an O_DIRECT read fills it from its first byte), the
+    # tensor ``start`` bytes into it: one PyTorch operation, where from_numpy, a slice and two
+    # views took four (a save takes a buffer per chunk in a layer hook, while the device may
+    # have little compute queued)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return torch.frombuffer(memory, dtype=dtype).as_strided(shape, strides[::-1], start // dtype.itemsize)
 
 
 class ResultMemory:

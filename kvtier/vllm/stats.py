@@ -27,8 +27,8 @@ PROM_COUNTERS = {
     "save_unsafe_chunks": "Chunks not saved because a synchronous load failed in their step or the one "
                           "before (their KV was computed over blocks the load did not fill)",
     "save_layers_after_forward": "Layers of saved chunks copied in wait_for_save, after the forward pass "
-                                 "(a full CUDA graph ran no save_kv_layer hook, or only one ran, or a "
-                                 "hook's copy failed)",
+                                 "(a full CUDA graph ran no save_kv_layer hook, or fewer ran than the one "
+                                 "that plans, the third, or a hook's copy failed)",
     "store_hits_host": "Chunk loads served from host memory",
     "store_hits_disk": "Chunk loads served from the persistent tier",
     "store_misses": "Chunk loads that found nothing usable",

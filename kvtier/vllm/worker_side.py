@@ -5,7 +5,7 @@ Saves: once ``save_kv_layer`` has run for a layer (for every layer of a group wh
 layer's blocks of every chunk being saved are gathered into a device stage with one or two
 indexing ops, then each chunk's piece goes into its pooled host buffer in one copy
 (canonical layout; see ``kvtier.vllm.block_rows``), on the side stream, behind the layer's
-compute (the step's first hook does nothing but note its layer, which the second copies
+compute (the step's first hooks do nothing but note their layers, which the third copies
 with its own; see ``WorkerSide.save_layer``);
 ``wait_for_save`` gathers the layers whose hooks did not run (a CUDA graph replays the
 forward without them), has the compute stream wait for the gathers on the device (the blocks
@@ -58,6 +58,15 @@ LOAD_POLL_S = 0.002
 UNSAFE_SAVE_STEPS = 2
 # At most this many failed loads' keys are remembered until their chunks are saved again.
 REFUTED_MAX = 4096
+# The layer hook of a step that plans its saves (a model with fewer layers: its last). The
+# hooks before it only note their layers: the first runs with only the first layer's
+# attention queued on the device (traced on an H200: 0.67 ms of a 45 ms prefill idle while
+# it planned), the second with about a layer more. The queue grows by about a layer per
+# hook from there (the host enqueued a whole 45 ms step in 15-34% of its time), and the
+# plan, the dearest hook's work, costs the same wherever it runs; each hook waited for adds
+# only a layer's copies to the planning hook's work (0.1-0.2 ms of host time on this
+# project's VMs, 16 chunks).
+PLAN_HOOK = 3
 # Load outcomes that say a chunk is not stored: its recomputed KV is saved. (Not an I/O
 # error or a record over this process's size limit, which leave an intact record, nor one of
 # another format version, kept for the kvtier that reads it.)
@@ -220,11 +229,12 @@ class WorkerSide:
         # is reused only once its copies are done (they are never awaited on this thread)
         self._save_index = IndexRing(self.copies.device)
         self._load_index = IndexRing(self.copies.device)
-        self._staged: list[_Staged] | None = None  # this step's saves, from its second hook on
+        self._staged: list[_Staged] | None = None  # this step's saves, from its planning hook on
         # the metadata of the step whose saves the hooks note and plan (see save_layer), and
-        # that step's first hooked layer, acted on at its second hook
+        # that step's hooked layers not yet acted on (until its planning hook, PLAN_HOOK)
         self._step_meta: KVTierMetadata | None = None
-        self._first_layer = 0
+        self._noted: list[int] = []
+        self._plan_hook = min(PLAN_HOOK, layers)
         # this step's chunks to copy, in batches (views made once per step, not per layer)
         self._save_batches: list[_Batch] = []
         self._staged_index: StepIndex | None = None
@@ -308,13 +318,13 @@ class WorkerSide:
     # -- saves ---------------------------------------------------------------------
     def save_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
         """A layer's hook (``save_kv_layer``): its layer is computed once the compute stream
-        gets this far. The step's first hook only notes its layer: it runs while the device
-        has only that layer's attention queued, so any host time spent in it can idle the
-        device (traced on an H200: 0.67 ms of a 45 ms prefill while it planned). The second
-        hook plans the step and copies both layers, with the rest of the first layer and the
-        second one's attention queued ahead of it; the side stream waits for the second
-        layer, and so for the first (the blocks a layer wrote stay as they are until the
-        step ends)."""
+        gets this far. The step's first hooks only note their layers: they run while the
+        device has little queued (the first: only that layer's attention), so any host time
+        spent in them can idle the device (traced on an H200: 0.67 ms of a 45 ms prefill
+        while the first hook planned). The step's ``PLAN_HOOK``-th hook plans its saves and
+        copies the noted layers with its own, with more than a layer of compute queued ahead
+        of it; the side stream waits for its layer, and so for the earlier ones (the blocks
+        a layer wrote stay as they are until the step ends)."""
         li = self.layer_index.get(layer_name)
         if li is None or not meta.saves or not self.layer_hooks:
             return
@@ -325,12 +335,15 @@ class WorkerSide:
                             "after its forward pass); %d chunks of it not saved",
                             sum(st.buf is not None for st in self._staged))
                 self._end_saves(store=False)
-            self._step_meta, self._first_layer = meta, li
-            return
+            self._step_meta, self._noted = meta, []
+        if self._staged is None:
+            self._noted.append(li)
+            if len(self._noted) < self._plan_hook:
+                return
         with self.copies.after_compute():
-            if self._staged is None:  # the step's second hook: plan its saves once (retried
-                self._plan_saves(meta)  # by the next hook if it fails)
-                hooked = [self._first_layer, li]
+            if self._staged is None:  # the planning hook: plan the step's saves once (a plan
+                self._plan_saves(meta)  # that fails is made again by the next hook)
+                hooked, self._noted = self._noted, []
             else:
                 hooked = [li]
             # a group of layers is copied once every layer of it has been computed (its hook
@@ -444,7 +457,7 @@ class WorkerSide:
             self._finish_saves(meta if meta is not None else self._step_meta)
         finally:  # the step is over (wait_for_save runs once per forward pass)
             self._unsafe_save_steps = max(0, self._unsafe_save_steps - 1)
-            self._step_meta = None
+            self._step_meta, self._noted = None, []
 
     def _finish_saves(self, meta: KVTierMetadata | None) -> None:
         if self._staged is None and (meta is None or not meta.saves):
@@ -453,7 +466,8 @@ class WorkerSide:
         try:
             with self.copies.after_compute():
                 if self._staged is None:  # no layer hook planned: a CUDA graph replayed the
-                    self._plan_saves(meta)  # type: ignore[arg-type]  # forward, or one layer
+                    self._plan_saves(meta)  # type: ignore[arg-type]  # forward (or hooks ran for
+                    # fewer layers than PLAN_HOOK)
                 late = [k for k, done in enumerate(self._copied) if not done]
                 self._gather_late(late)
         except Exception as exc:

@@ -147,8 +147,8 @@ def test_cuda_the_model_thread_never_waits_for_copies(tmp_path: Path) -> None:
 def test_cuda_each_layer_is_saved_as_its_compute_wrote_it(tmp_path: Path, content: str) -> None:
     """As in a forward pass, each layer's KV is written on the compute stream behind about
     30 ms of device work of its own (``torch.cuda._sleep``), and then that layer's hook runs
-    (the step's first hook enqueues nothing; the second copies the first layer with its
-    own). Every layer of every chunk is saved as written, none as the NaNs the blocks held
+    (the step's first two hooks enqueue nothing; the third copies the first two layers
+    with its own). Every layer of every chunk is saved as written, none as the NaNs the blocks held
     before, and the host was done before the compute: the side stream waited on the device
     for each layer (a hook that did not wait would gather its layer while the compute
     stream still sleeps before writing it)."""

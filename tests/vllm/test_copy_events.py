@@ -122,17 +122,20 @@ def _log_copies(monkeypatch: pytest.MonkeyPatch, copies: GatedCopies) -> list[st
     return order
 
 
-@pytest.mark.parametrize(("chunks", "hooks"), [(2, "all"), (6, "all"), (2, "first only")])
-def test_the_first_hook_enqueues_nothing_and_the_second_copies_both_layers(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: int, hooks: str) -> None:
-    """The step's first layer hook runs while the device has only that layer's attention
-    queued: it plans nothing, takes no pool buffer and enqueues nothing. The second hook
-    plans the step (one batch, or several where the chunks do not fit the stage: ``chunks``
-    6), takes the buffers and copies the first layer, then its own: per batch a gather, then
-    one copy per chunk. Where no other hook comes (``first only``), ``wait_for_save`` copies
-    every layer. Every chunk is stored whole."""
+@pytest.mark.parametrize(("chunks", "hooks"), [(2, 4), (6, 4), (2, 1), (2, 2)])
+def test_the_hooks_before_the_planning_one_enqueue_nothing_and_it_copies_their_layers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: int, hooks: int) -> None:
+    """The step's first layer hooks run while the device has little queued (the first: only
+    that layer's attention): they plan nothing, take no pool buffer and enqueue nothing.
+    The third hook (``PLAN_HOOK``) plans the step (one batch, or several where the chunks
+    do not fit the stage: ``chunks`` 6), takes the buffers and copies the first two layers,
+    then its own: per layer and batch a gather, then one copy per chunk. Where the step has
+    fewer hooks (``hooks`` 1 or 2), ``wait_for_save`` copies every layer. Every chunk is
+    stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
+    from kvtier.vllm.worker_side import PLAN_HOOK
 
+    assert PLAN_HOOK == 3 < G.layers
     # a stage of four chunks' layers: two chunks fit one batch, six do not
     with _rig(tmp_path, pool_chunks=8, stage_bytes=4 * G.chunk_bytes // G.layers) as (store, worker, caches, copies):
         order = _log_copies(monkeypatch, copies)
@@ -141,40 +144,63 @@ def test_the_first_hook_enqueues_nothing_and_the_second_copies_both_layers(
         meta = KVTierMetadata(saves=[SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)])
         free = store.pool.free_slots
         names = list(caches)
-        worker.save_layer(meta, names[0])
+        for name in names[: min(hooks, PLAN_HOOK - 1)]:
+            worker.save_layer(meta, name)
         assert order == [] and store.pool.free_slots == free and not copies.events
-        if hooks == "first only":
+        if hooks < PLAN_HOOK:
             worker.finish_saves(meta)
             assert order.count("host copy") == chunks * G.layers
+            assert worker.stats["save_layers_after_forward"] == G.layers
         else:
-            worker.save_layer(meta, names[1])
+            worker.save_layer(meta, names[PLAN_HOOK - 1])
             batches = worker._save_batches
             assert (len(batches) > 1) == (chunks == 6)
             per_layer: list[str] = []
             for b in batches:
                 per_layer += ["gather"] + ["event"] * (b is batches[-1]) + ["host copy"] * len(b.chunks)
-            assert order == per_layer * 2
+            assert order == per_layer * PLAN_HOOK
             assert store.pool.free_slots == free - chunks
-            for name in names[2:]:
+            for name in names[PLAN_HOOK:]:
                 worker.save_layer(meta, name)
             assert order == per_layer * G.layers
             worker.finish_saves(meta)
+            assert "save_layers_after_forward" not in worker.stats
         copies.complete_all()
         assert store.flush(30)
         for k, b in zip(keys, ids, strict=True):
             _assert_stored(store, k, caches, b)
 
 
-@pytest.mark.parametrize("left", ["one hook", "two hooks"])
+def test_a_model_with_fewer_layers_than_the_planning_hook_plans_at_its_last(tmp_path: Path) -> None:
+    """A two-layer model (the suite's tiny vLLM models) plans in its second and last hook
+    and copies both layers there: nothing is left for after the forward pass."""
+    from kvtier.vllm.metadata import SaveSpec
+
+    g = Geometry(layers=2)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
+                      write_queue_bytes=4 * g.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, "kv_last", "cpu")
+        try:
+            key, ids = os.urandom(32), list(range(PER_CHUNK))
+            save_step(worker, caches, [SaveSpec("r", (key,), 0, g.chunk_tokens, ids)])
+            assert worker.stats["save_chunks"] == 1 and "save_layers_after_forward" not in worker.stats
+            assert store.flush(30)
+            assert store.backend.present_each([key]) == [True]
+        finally:
+            worker.close()
+
+
+@pytest.mark.parametrize("left", ["one hook", "three hooks"])
 def test_a_step_that_never_finished_lends_nothing_to_the_next(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, left: str) -> None:
-    """A step's first hook is acted on at its second, and its plan used by every hook after.
-    If a step ended without ``wait_for_save`` (vLLM calls it in a ``finally``; a caller
-    might not), neither is taken for the next step's, whose hooks would otherwise copy a
-    layer it has not computed yet, or its layers into the other step's chunks. The next
-    step's first hook enqueues nothing (with ``two hooks`` left, it only ends the other
-    step's plan: an event; that step's chunk is not saved, and that is logged and counted),
-    and its own chunk is stored whole."""
+    """A step's first hooks are acted on at its planning hook (the third), and its plan used
+    by every hook after. If a step ended without ``wait_for_save`` (vLLM calls it in a
+    ``finally``; a caller might not), neither is taken for the next step's, whose hooks
+    would otherwise copy a layer it has not computed yet, or its layers into the other
+    step's chunks. The next step's first hook enqueues nothing (with ``three hooks`` left,
+    it only ends the other step's plan: an event; that step's chunk is not saved, and that
+    is logged and counted), and its own chunk is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
     with _rig(tmp_path) as (store, worker, caches, copies):
@@ -182,7 +208,7 @@ def test_a_step_that_never_finished_lends_nothing_to_the_next(
         names = list(caches)
         old_key = os.urandom(32)
         old = KVTierMetadata(saves=[SaveSpec("r", (old_key,), 0, G.chunk_tokens, list(range(PER_CHUNK)))])
-        for name in names[: 1 if left == "one hook" else 2]:  # (and no more of that step)
+        for name in names[: 1 if left == "one hook" else 3]:  # (and no more of that step)
             worker.save_layer(old, name)
         del order[:]
         key, ids = os.urandom(32), list(range(PER_CHUNK, 2 * PER_CHUNK))
@@ -190,13 +216,15 @@ def test_a_step_that_never_finished_lends_nothing_to_the_next(
         with caplog.at_level("WARNING", logger="kvtier"):
             worker.save_layer(meta, names[1])
         assert order == ([] if left == "one hook" else ["event"])
-        assert ("never handed over" in caplog.text) == (left == "two hooks")
-        assert worker.stats.get("save_dropped_chunks", 0) == (left == "two hooks")
+        assert ("never handed over" in caplog.text) == (left == "three hooks")
+        assert worker.stats.get("save_dropped_chunks", 0) == (left == "three hooks")
         worker.save_layer(meta, names[2])
-        assert order[-6:] == ["gather", "event", "host copy"] * 2
-        for name in names[:1] + names[3:]:
-            worker.save_layer(meta, name)
+        assert order == ([] if left == "one hook" else ["event"])  # (the new step's second hook)
+        worker.save_layer(meta, names[3])
+        assert order[-9:] == ["gather", "event", "host copy"] * 3
+        worker.save_layer(meta, names[0])
         worker.finish_saves(meta)
+        assert "save_layers_after_forward" not in worker.stats
         copies.complete_all()
         assert store.flush(30)
         _assert_stored(store, key, caches, ids)
@@ -204,10 +232,10 @@ def test_a_step_that_never_finished_lends_nothing_to_the_next(
 
 
 def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_path: Path) -> None:
-    """The step's second hook plans its saves; where that fails (the connector logs it and
-    the forward pass goes on), the next hook plans again and copies the first layer with
-    its own; the failed hook's layer is copied after the forward pass (and counted). The
-    chunk is stored whole."""
+    """The step's planning hook (the third) plans its saves; where that fails (the
+    connector logs it and the forward pass goes on), the next hook plans again and copies
+    every layer hooked so far, the failed hook's included: nothing is left for after the
+    forward pass. The chunk is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
     with _rig(tmp_path) as (store, worker, caches, copies):
@@ -222,13 +250,14 @@ def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_
         meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
         names = list(caches)
         worker.save_layer(meta, names[0])
+        worker.save_layer(meta, names[1])
         with pytest.raises(RuntimeError, match="unforeseen"):
-            worker.save_layer(meta, names[1])
-        for name in names[2:]:
-            worker.save_layer(meta, name)
-        assert worker._copied == [True, False] + [True] * (G.layers - 2)
+            worker.save_layer(meta, names[2])
+        assert worker._staged is None
+        worker.save_layer(meta, names[3])
+        assert worker._copied == [True] * G.layers
         worker.finish_saves(meta)
-        assert worker.stats["save_layers_after_forward"] == 1
+        assert "save_layers_after_forward" not in worker.stats
         copies.complete_all()
         assert store.flush(30)
         _assert_stored(store, key, caches, ids)
