@@ -219,10 +219,10 @@ class BlockRows:
 
         The row ids in plain Python, not numpy: a save plans on the model's thread while
         kvtier's writer thread works, and a numpy operation on 500 elements or more lets go
-        of the GIL, which the writer may then hold for milliseconds. Built with whole-array
-        numpy operations, a 16-chunk save's 512 ids took 24 µs against 43 µs with the
-        store idle, but 0.15 ms against 0.06 ms between its steps' writes (this project's
-        2-core VMs)."""
+        of the GIL, which the writer then holds a while. Built with whole-array numpy
+        operations, a 16-chunk save's 512 ids took 24 µs against 43 µs with the store
+        idle, but 0.15 ms against 0.06 ms among a running store's writes (this project's
+        2-core VMs; see docs/benchmarks.md)."""
         sizes = [self.rows_per_chunk(len(ids)) for ids in block_lists]
         lists: list[Sequence[int]] = []
         slotted = self.scratch(layers)
