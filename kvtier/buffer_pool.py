@@ -260,6 +260,7 @@ def _lend(memory: np.ndarray, start: int, shape: tuple[int, ...], dtype: torch.d
     # tensor ``start`` bytes into it: one PyTorch operation, where from_numpy, a slice and two
     # views took four (a save takes a buffer per chunk in a layer hook, while the device may
     # have little compute queued)
+    assert not start % dtype.itemsize and not len(memory) % dtype.itemsize  # (whole elements)
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

@@ -28,7 +28,7 @@ PROM_COUNTERS = {
                           "before (their KV was computed over blocks the load did not fill)",
     "save_layers_after_forward": "Layers of saved chunks copied in wait_for_save, after the forward pass "
                                  "(a full CUDA graph ran no save_kv_layer hook, or fewer ran than the one "
-                                 "that plans, the third, or a hook's copy failed)",
+                                 "that plans, the third or a smaller model's last, or a hook's copy failed)",
     "store_hits_host": "Chunk loads served from host memory",
     "store_hits_disk": "Chunk loads served from the persistent tier",
     "store_misses": "Chunk loads that found nothing usable",

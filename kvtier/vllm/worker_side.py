@@ -96,8 +96,8 @@ class _Batch:
 
     def piece(self, i: int, k: int) -> torch.Tensor:
         """Chunk ``i``'s group ``k`` of layers. Made when its copy is enqueued, not all when
-        the step is planned: a save plans in the step's second layer hook, while the device
-        has only a layer and a half of work queued, so what the plan costs the host can idle it."""
+        the step is planned: a save plans in a layer hook (``PLAN_HOOK``), while the device
+        has about two layers of work queued, so what the plan costs the host can idle it."""
         start, size = self.spans[k]
         chunk = self.chunks[i]
         assert chunk is not None  # (a save's chunk with no buffer is not copied)
@@ -336,16 +336,16 @@ class WorkerSide:
                             sum(st.buf is not None for st in self._staged))
                 self._end_saves(store=False)
             self._step_meta, self._noted = meta, []
-        if self._staged is None:
-            self._noted.append(li)
-            if len(self._noted) < self._plan_hook:
-                return
+        self._noted.append(li)
+        if self._staged is None and len(self._noted) < self._plan_hook:
+            return
         with self.copies.after_compute():
             if self._staged is None:  # the planning hook: plan the step's saves once (a plan
                 self._plan_saves(meta)  # that fails is made again by the next hook)
-                hooked, self._noted = self._noted, []
-            else:
-                hooked = [li]
+            # (the noted layers stay noted until a hook gets past the plan: where it failed,
+            # the next hook copies them, also where only taking the pool buffers failed,
+            # which leaves the chunks that got none unsaved)
+            hooked, self._noted = self._noted, []
             # a group of layers is copied once every layer of it has been computed (its hook
             # ran: hooks need not come in the layers' order)
             for i in hooked:

@@ -231,36 +231,55 @@ def test_a_step_that_never_finished_lends_nothing_to_the_next(
         assert store.backend.present_each([old_key]) == [False]
 
 
-def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("failing", ["row plan", "second buffer"])
+def test_a_plan_that_failed_is_made_again_by_the_next_hook_of_the_same_step(tmp_path: Path, failing: str) -> None:
     """The step's planning hook (the third) plans its saves; where that fails (the
     connector logs it and the forward pass goes on), the next hook plans again and copies
     every layer hooked so far, the failed hook's included: nothing is left for after the
-    forward pass. The chunk is stored whole."""
+    forward pass. Where only taking the pool buffers failed (``second buffer``: the first
+    chunk got one), the next hook copies the chunks that got one; the other is not saved,
+    and counted as dropped. Every chunk saved is stored whole."""
     from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
     with _rig(tmp_path) as (store, worker, caches, copies):
-        real = worker._plan_rows
+        if failing == "row plan":
+            real = worker._plan_rows
 
-        def fails_once(*args: object) -> object:
-            worker._plan_rows = real
-            raise RuntimeError("an unforeseen fault")
+            def fails_once(*args: object) -> object:
+                worker._plan_rows = real
+                raise RuntimeError("an unforeseen fault")
 
-        worker._plan_rows = fails_once
-        key, ids = os.urandom(32), list(range(PER_CHUNK))
-        meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, G.chunk_tokens, ids)])
+            worker._plan_rows = fails_once
+        else:
+            real_buffer, calls = store.buffer, []
+
+            def second_fails(*args: object, **kwargs: object) -> object:
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("an unforeseen fault")
+                return real_buffer(*args, **kwargs)
+
+            store.buffer = second_fails  # type: ignore[method-assign]
+        keys = [os.urandom(32) for _ in range(2)]
+        ids = [list(range(j * PER_CHUNK, (j + 1) * PER_CHUNK)) for j in range(2)]
+        meta = KVTierMetadata(saves=[SaveSpec("r", (k,), 0, G.chunk_tokens, b) for k, b in zip(keys, ids, strict=True)])
         names = list(caches)
         worker.save_layer(meta, names[0])
         worker.save_layer(meta, names[1])
         with pytest.raises(RuntimeError, match="unforeseen"):
             worker.save_layer(meta, names[2])
-        assert worker._staged is None
+        assert not any(worker._copied)
         worker.save_layer(meta, names[3])
         assert worker._copied == [True] * G.layers
         worker.finish_saves(meta)
         assert "save_layers_after_forward" not in worker.stats
+        saved = 2 if failing == "row plan" else 1
+        assert worker.stats.get("save_dropped_chunks", 0) == 2 - saved
         copies.complete_all()
         assert store.flush(30)
-        _assert_stored(store, key, caches, ids)
+        for k, b in zip(keys[:saved], ids[:saved], strict=True):
+            _assert_stored(store, k, caches, b)
+        assert store.backend.present_each(keys[saved:]) == [False] * (2 - saved)
 
 
 def test_metadata_used_again_after_wait_for_save_starts_a_new_step(

@@ -889,6 +889,7 @@ def test_a_step_enqueues_one_gather_per_layer_and_one_copy_per_chunk_and_group_o
         saved = ops(lambda: save_step(worker, caches, [SaveSpec("r", k, 0, g.chunk_tokens, ids)
                                                        for k, ids in zip(keys, src, strict=True)]))
         assert (worker.per_copy, worker.save_per_copy) == (per_copy, save_per_copy)
+        assert "save_layers_after_forward" not in worker.stats  # (every group copied by a hook)
         assert saved == {"index_select": g.layers, "index_copy_": g.layers * (save_per_copy > 1), "index": 0,
                          "copy_": g.layers // save_per_copy * chunks}
         grouped = per_copy > 1
