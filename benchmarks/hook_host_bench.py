@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/hook_host_bench.py                       # this checkout
     .venv/bin/python benchmarks/hook_host_bench.py --against /tmp/old    # and another, alternating
+    .venv/bin/python benchmarks/hook_host_bench.py --writer              # the writer's cost to the model's thread
 
 On a GPU the hooks only enqueue copies, so what they cost the forward pass is the host time
 spent in them: planning, indexing ops and copies enqueued, handing the chunks to the store.
@@ -23,11 +24,22 @@ what varies is contention with the store's threads (the GIL, the queue's lock). 
 run in turn, ``--rounds`` times each, in fresh processes. ``--copy-bytes`` sets the worker's
 grouping of layers per copy (default: its own; on the CPU one layer per copy; ``8388608`` as
 on a GPU).
+
+``--writer`` measures something else: what the store's threads cost the model's thread
+outside kvtier's hooks. vLLM's forward pass is, on the host, a loop of PyTorch operations
+that enqueue kernels; each lets go of the GIL, and while kvtier's writer encodes and
+writes a step's chunks it may take the GIL and keep the model's thread waiting. A loop of
+``WRITER_LOOP_OPS`` tiny operations runs with the store idle, then right after ``--chunks``
+chunks of a Llama-3-8B rank (32 MiB each) were handed to it, ``--rounds`` times; the table
+gives the loop's time and its operations' median, 99th percentile and worst. Where it can,
+it keeps the loop's thread on one CPU and the store's threads on the others (``pinned`` in
+the JSON), so that what it counts is the GIL, not a shared core.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -35,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,6 +120,73 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
             "step_p90_ms": pct(total, 0.9), **ops}
 
 
+WRITER_LOOP_OPS = 3000
+
+
+def writer_interference(chunks: int, rounds: int) -> list[dict[str, float | str | bool]]:
+    """Per round: the model's thread's loop with the store idle, then while it writes."""
+    import torch
+
+    from kvtier import CacheConfig
+    from kvtier.store import ChunkStore
+
+    torch.set_num_threads(1)
+    shape, dtype = (32, 2, 256, 8, 128), torch.bfloat16  # (a Llama-3-8B rank's 256-token chunk)
+    chunk_bytes = 32 * 2 * 256 * 8 * 128 * dtype.itemsize
+    a, b, c = torch.ones(64), torch.ones(64), torch.empty(64)
+
+    def loop() -> dict[str, float]:
+        times = []
+        start = time.perf_counter()
+        for _ in range(WRITER_LOOP_OPS):
+            t = time.perf_counter()
+            torch.add(a, b, out=c)
+            times.append(time.perf_counter() - t)
+        total = time.perf_counter() - start
+        times.sort()
+        return {"loop_ms": total * 1e3, "op_p50_us": times[len(times) // 2] * 1e6,
+                "op_p99_us": times[int(0.99 * len(times))] * 1e6, "op_max_us": times[-1] * 1e6}
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+    def pin() -> bool:
+        """This thread on the first CPU, every other thread of the process on the others
+        (again before each loop: the store starts threads as it needs them)."""
+        if len(cpus) < 2:
+            return False
+        me = threading.get_native_id()
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+                os.sched_setaffinity(int(task), cpus[:1] if int(task) == me else cpus[1:])
+        return True
+
+    rows: list[dict[str, float | str | bool]] = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-writer-bench-") as d:
+        cfg = CacheConfig(path=Path(d) / "s", chunk_tokens=256, host_bytes=2 * chunks * chunk_bytes,
+                          write_queue_bytes=chunks * chunk_bytes)
+        with ChunkStore(cfg) as store:
+            store.reserve_buffers(shape, dtype)
+            loop()  # (warm-up)
+            for r in range(rounds):
+                pinned = pin()
+                rows.append({"round": r + 1, "store": "idle", **loop(), "pinned": pinned})
+                for i in range(chunks):
+                    buf = store.buffer(shape, dtype)
+                    assert buf is not None
+                    buf.fill_(r * chunks + i)
+                    store.put(os.urandom(32), buf, namespace_id=bytes(16), token_start=0, num_tokens=256)
+                del buf
+                pinned = pin()
+                measured = loop()
+                # (whether the writer was still at it when the loop ended: else part of the
+                # loop ran beside an idle store)
+                rows.append({"round": r + 1, "store": "writing", **measured, "pinned": pinned,
+                             "busy_throughout": not store.flush(0)})
+                if not store.flush(120):
+                    raise SystemExit("the store did not write its chunks within 120 s")
+    return rows
+
+
 def top_level_ops(call: Callable[[], object]) -> int:
     """How many PyTorch operations ``call`` issues (ATen ops not called by another one): on a
     GPU each is at least one enqueued launch or copy, and under a profiler each costs the
@@ -126,8 +206,25 @@ def main() -> None:
     ap.add_argument("--against", help="another kvtier checkout to run side by side")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--writer", action="store_true",
+                    help="measure the store's writer's cost to the model's thread instead (see above)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run: JSON out
     args = ap.parse_args()
+    if args.writer:
+        wrows = writer_interference(args.chunks, args.rounds)
+        where = ("the loop's thread on one CPU, the store's threads on the others" if wrows[0]["pinned"]
+                 else "threads not pinned: the counts include a shared core")
+        print(f"a loop of {WRITER_LOOP_OPS} tiny PyTorch operations on the model's thread, with the store idle and "
+              f"while it writes {args.chunks} chunks of 32 MiB ({where})\n")
+        print("| round | store | loop (ms) | per operation: median / p99 / worst (µs) |")
+        print("|---|---|---|---|")
+        for m in wrows:
+            note = "" if m.get("busy_throughout", True) else " (the writer finished first)"
+            print(f"| {m['round']} | {m['store']}{note} | {m['loop_ms']:.2f} "
+                  f"| {m['op_p50_us']:.1f} / {m['op_p99_us']:.1f} / {m['op_max_us']:.0f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(wrows, indent=1))
+        return
     if args.one:
         print(json.dumps(measure(args.chunks, args.steps, args.copy_bytes)))
         return

@@ -6,7 +6,7 @@
 # and a markdown report and its JSON per benchmark run).
 #
 #   scripts/gpu-wheels.sh          # first, where a package index is reachable
-#   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|store|storage-tests|all]   # default: all
+#   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|writer|store|storage-tests|all]   # default: all
 #
 # .gpu-wheels/ is gitignored: a tool that copies the working tree to the GPU machine must be
 # told to carry it along. Each part has a time limit (tests 300 s, gpu 420 s, store 240 s per
@@ -16,7 +16,9 @@
 # tests: tests/gpu; gpu: gpu_bench.py (GPU_ARGS: extra flags, e.g. "--contents kv_last
 # --chunk-tokens 1024 --chunks 4", or "--contents kv_last --copy-mib 0 8": loads one layer
 # per copy beside 8 MiB copies; "--save-copy-mib 0 8" the same for saves; "--trace $OUT": a
-# profiler trace per row, about 4 MiB each, and the device's own costs from it); store: storage_bench.py on that disk; storage-tests:
+# profiler trace per row, about 4 MiB each, and the device's own costs from it); writer:
+# hook_host_bench.py --writer, what the store's writer costs the model's thread on that
+# host (the GIL; no device work; into log.txt, no file of its own); store: storage_bench.py on that disk; storage-tests:
 # tests/storage with CUDA visible. On an H100 (2026-11-26) tests took 25-40 s and the
 # benchmark about 45 s per content layout; store and storage-tests take minutes. With a
 # short lease run tests and gpu first, in one command.
@@ -58,6 +60,10 @@ if [[ "$part" == gpu || "$part" == all ]]; then
   # shellcheck disable=SC2086
   timeout 420 "$python" benchmarks/gpu_bench.py --dir "${TMPDIR:-/tmp}/kvtier-gpu-bench" --json "$out/gpu_bench.json" \
     ${GPU_ARGS:-} 2>>"$log" | tee "$out/gpu_bench.md" || echo "gpu_bench failed or timed out: see $log" >&2
+fi
+if [[ "$part" == writer || "$part" == all ]]; then
+  timeout 180 "$python" benchmarks/hook_host_bench.py --writer --rounds 5 2>&1 | tee -a "$log" \
+    || echo "hook_host_bench --writer failed or timed out: see $log" >&2
 fi
 if [[ "$part" == store || "$part" == all ]]; then
   for mib in 256 128; do

@@ -699,6 +699,21 @@ def test_the_hook_host_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     assert all(r["first_hook_ops"] == r["second_hook_ops"] == 0 < r["third_hook_ops"] for r in rows)
 
 
+def test_the_writer_interference_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/hook_host_bench.py --writer, small: the model thread's loop timed with the
+    store idle and while it writes, each round."""
+    out = tmp_path / "writer.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hook_host_bench.py"), "--writer", "--chunks", "2",
+                          "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["round"], r["store"]) for r in rows] == [(1, "idle"), (1, "writing"), (2, "idle"), (2, "writing")]
+    assert all(0 < r["op_p50_us"] <= r["op_p99_us"] <= r["op_max_us"] < r["loop_ms"] * 1e3 for r in rows)
+    assert all(isinstance(r["busy_throughout"], bool) for r in rows if r["store"] == "writing")
+    assert all(r["pinned"] == (len(os.sched_getaffinity(0)) > 1) for r in rows)
+    assert "| 2 | writing" in res.stdout
+
+
 def test_a_step_reads_no_index_and_skips_what_is_stored_or_queued(tmp_path: Path) -> None:
     """The model's thread never reads the index (a cold page waits for the disk): a chunk is
     skipped because the scheduler's lookup found it stored, or because this process has it
