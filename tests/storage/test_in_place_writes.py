@@ -151,3 +151,33 @@ def test_only_the_stores_own_buffers_are_written_in_place(tmp_path: Path, backen
             assert got.tensor is not None, (key[0], got.outcome, got.why)
             assert same_bits(got.tensor, kv)
         assert store.counters.snapshot()["corrupt_records"] == 0
+
+
+def test_a_record_written_in_place_takes_one_call_on_the_io_pool(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files backend writes a record assembled in place (open, writes, truncation, sync,
+    close) in one call on its I/O pool: each call through its event loop holds the GIL a
+    while, which a serving process's model thread waits for. A record several write
+    segments long (``_STAGE_BYTES`` made small), with ``power`` durability: one call per
+    record, and each reads back bit for bit."""
+    from kvtier.backends import files
+
+    skip_without_o_direct(tmp_path)
+    monkeypatch.setattr(files, "_STAGE_BYTES", 8192)  # (a chunk here is several of them)
+    calls: list[str] = []
+    real = files.FilePayloads._on_pool
+
+    async def counted(self: files.FilePayloads, fn: object, args: list[object]) -> object:
+        calls.append(getattr(fn, "__name__", str(fn)))
+        return await real(self, fn, args)
+
+    monkeypatch.setattr(files.FilePayloads, "_on_pool", counted)
+    seqs = [tokens(300 + i, 2 * CHUNK) for i in range(2)]
+    with open_cache(tmp_path / "s", "files", durability="power") as cache:
+        for toks in seqs:
+            assert cache.save(toks, make_kv(toks)) == len(toks)
+        assert cache.flush(60)
+        assert calls == ["_write_record_direct"] * 4
+    with open_cache(tmp_path / "s", "files") as cache:
+        for toks in seqs:
+            assert same_bits(cache.load(toks), make_kv(toks))
