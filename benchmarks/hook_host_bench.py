@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -102,7 +103,7 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
                     finish.append(t2 - t1)
                 store.flush(60)
                 worker.get_finished(set())
-            meta = step_meta()  # one more step, untimed: the first two hooks' operations counted
+            meta = step_meta()  # one more step, untimed: the first hooks' operations counted
             ops = {f"{nth}_hook_ops": top_level_ops(functools.partial(worker.save_layer, meta, name))
                    for nth, name in zip(FIRST_HOOKS, names, strict=False)}
             for name in names[len(FIRST_HOOKS):]:
@@ -132,7 +133,7 @@ def writer_interference(chunks: int, rounds: int) -> list[dict[str, float | str 
 
     torch.set_num_threads(1)
     shape, dtype = (32, 2, 256, 8, 128), torch.bfloat16  # (a Llama-3-8B rank's 256-token chunk)
-    chunk_bytes = 32 * 2 * 256 * 8 * 128 * dtype.itemsize
+    chunk_bytes = math.prod(shape) * dtype.itemsize
     a, b, c = torch.ones(64), torch.ones(64), torch.empty(64)
 
     def loop() -> dict[str, float]:

@@ -228,14 +228,7 @@ class FilePayloads(PayloadStore):
                             return tmp
                     finally:
                         free.put_nowait(buf)
-            f = await self._on_pool(_open_temp, [tmp, False])
-            try:
-                for part in (it.header, it.payload):
-                    await self._on_pool(_write_all, [f, part])
-                if self.durability == "power":
-                    await self._on_pool(os.fdatasync, [f.fileno()])
-            finally:
-                await self._on_pool(f.close, [])
+            await self._on_pool(_write_file_buffered, [tmp, it, self.durability == "power"])
         except BaseException:
             _unlink_quiet(tmp)
             raise
@@ -259,12 +252,9 @@ class FilePayloads(PayloadStore):
         """Write the record with O_DIRECT, through the staging buffer ``buf``, or straight
         from ``buf`` when it is the record itself (``in_place``); False if the filesystem
         refuses O_DIRECT."""
-        total = it.size
-        try:
-            if in_place:  # the whole file in one call on the pool (see _write_record_direct)
-                await self._on_pool(_write_record_direct, [tmp, buf, total, self.durability == "power"])
-            else:
-                await self._write_staged_direct(tmp, it, buf, total)
+        try:  # the whole file in one call on the pool (see _write_file_direct)
+            await self._on_pool(_write_file_direct, [tmp, buf, it.size, self.durability == "power",
+                                                     None if in_place else it])
         except OSError as exc:
             if exc.errno != errno.EINVAL or self._direct_write:
                 raise
@@ -274,27 +264,6 @@ class FilePayloads(PayloadStore):
             return False
         self._direct_write = True
         return True
-
-    async def _write_staged_direct(self, tmp: str, it: PutItem, buf: mmap.mmap, total: int) -> None:
-        """Write the record with O_DIRECT through the staging buffer ``buf``, segment by
-        segment, each copied in and written on the pool."""
-        # a raw FileIO: each write() is one write(2) of the aligned view
-        f = await self._on_pool(_open_temp, [tmp, True])
-        try:
-            pos = 0
-            while pos < total:
-                n = min(len(buf), total - pos)
-                # the copy runs on the pool too: numpy releases the GIL while copying
-                m = await self._on_pool(_stage_segment, [buf, it, pos, n])
-                if await self._on_pool(_write_view, [f, buf, 0, m]) != m:
-                    raise _short_write(tmp)
-                pos += n
-            if _round_up(total) != total:  # drop the padding: the file is exactly the record
-                await self._on_pool(os.ftruncate, [f.fileno(), total])
-            if self.durability == "power":
-                await self._on_pool(os.fdatasync, [f.fileno()])
-        finally:
-            await self._on_pool(f.close, [])
 
     def _place(self, tmp: str, key: bytes, location: int) -> set[Path]:
         """Rename a written temp file to its record path, creating the shard directories;
@@ -480,25 +449,35 @@ def _write_view(f: io.FileIO, buf: mmap.mmap | memoryview, start: int, n: int) -
     return f.write(memoryview(buf)[start : start + n]) or 0
 
 
-def _write_record_direct(path: str, record: memoryview, total: int, sync: bool) -> None:
-    """Write a record assembled in place in its page-aligned buffer (``record``: at least
-    ``total`` bytes rounded up to a page) to a new file at ``path`` with ``O_DIRECT``, in
-    ``_STAGE_BYTES`` writes, the file cut to ``total`` bytes, and synced if ``sync``. All in
-    one call on the I/O pool: each call through the event loop holds the GIL a while (its
-    future, callbacks and wake-up), which the model's thread of a serving process waits for
-    (``hook_host_bench.py --writer``); a call per write, plus the open, truncate, sync and
-    close, made seven or eight per 32 MiB record."""
-    np.frombuffer(record, dtype=np.uint8)[total:] = 0  # (the padding goes to disk, then is cut)
+def _write_file_direct(path: str, buf: mmap.mmap | memoryview, total: int, sync: bool,
+                       staged: PutItem | None) -> None:
+    """Write a record of ``total`` bytes to a new file at ``path`` with ``O_DIRECT``, from
+    ``buf``: the record itself, assembled in place in its page-aligned buffer (at least
+    ``total`` bytes rounded up to a page), or, with ``staged`` (the record's item), a
+    staging buffer each segment of it is copied into first. Segment by segment (a raw
+    FileIO: each write() is one write(2) of the aligned view), then the page padding cut
+    off and the file synced if ``sync``. All in one call on the I/O pool: each call through
+    the event loop holds the GIL a while (its future, callbacks and wake-up), which the
+    model's thread of a serving process waits for (``hook_host_bench.py --writer``); a call
+    per segment, plus the open, truncation, sync and close, made seven or eight per 32 MiB
+    record. (:func:`_write_file_buffered` likewise, where the filesystem refuses O_DIRECT.)"""
+    if staged is None:  # (the padding goes to disk, then is cut)
+        np.frombuffer(buf, dtype=np.uint8)[total:] = 0
     f = _open_temp(path, True)
     try:
         pos = 0
         while pos < total:
-            n = min(_STAGE_BYTES, total - pos)
-            m = _round_up(n)
-            if _write_view(f, record, pos, m) != m:
-                raise _short_write(path)
+            if staged is None:
+                n = min(_STAGE_BYTES, total - pos)
+                start, m = pos, _round_up(n)
+            else:  # (numpy lets go of the GIL while it copies)
+                n = min(len(buf), total - pos)
+                start, m = 0, _stage_segment(buf, staged, pos, n)
+            if _write_view(f, buf, start, m) != m:
+                # a regular file's write falls short when the file system fills
+                raise OSError(errno.ENOSPC, f"No space left on device (a short O_DIRECT write to {path})")
             pos += n
-        if _round_up(total) != total:
+        if _round_up(total) != total:  # drop the padding: the file is exactly the record
             os.ftruncate(f.fileno(), total)
         if sync:
             os.fdatasync(f.fileno())
@@ -506,9 +485,18 @@ def _write_record_direct(path: str, record: memoryview, total: int, sync: bool) 
         f.close()
 
 
-def _short_write(path: str) -> OSError:
-    # a regular file's write falls short when the file system fills
-    return OSError(errno.ENOSPC, f"No space left on device (a short O_DIRECT write to {path})")
+def _write_file_buffered(path: str, it: PutItem, sync: bool) -> None:
+    """Write a record to a new file at ``path`` without ``O_DIRECT`` (a filesystem that
+    refuses it), synced if ``sync``: in one call on the I/O pool, as
+    :func:`_write_file_direct`."""
+    f = _open_temp(path, False)
+    try:
+        for part in (it.header, it.payload):
+            _write_all(f, part)
+        if sync:
+            os.fdatasync(f.fileno())
+    finally:
+        f.close()
 
 
 def _write_all(f: io.FileIO, data: bytes | memoryview) -> None:

@@ -153,13 +153,15 @@ def test_only_the_stores_own_buffers_are_written_in_place(tmp_path: Path, backen
         assert store.counters.snapshot()["corrupt_records"] == 0
 
 
-def test_a_record_written_in_place_takes_one_call_on_the_io_pool(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The files backend writes a record assembled in place (open, writes, truncation, sync,
-    close) in one call on its I/O pool: each call through its event loop holds the GIL a
-    while, which a serving process's model thread waits for. A record several write
-    segments long (``_STAGE_BYTES`` made small), with ``power`` durability: one call per
-    record, and each reads back bit for bit."""
+@pytest.mark.parametrize("path", ["in place", "staged"])
+def test_a_record_is_written_in_one_call_on_the_io_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        path: str) -> None:
+    """The files backend writes each record (open, O_DIRECT writes, truncation, sync, close)
+    in one call on its I/O pool: each call through its event loop holds the GIL a while,
+    which a serving process's model thread waits for. Records several write segments long
+    (``_STAGE_BYTES`` made small), with ``power`` durability, assembled in place in their
+    pool buffers or (a caller's own tensor) staged segment by segment: one call per record,
+    and each reads back bit for bit."""
     from kvtier.backends import files
 
     skip_without_o_direct(tmp_path)
@@ -172,12 +174,18 @@ def test_a_record_written_in_place_takes_one_call_on_the_io_pool(tmp_path: Path,
         return await real(self, fn, args)
 
     monkeypatch.setattr(files.FilePayloads, "_on_pool", counted)
-    seqs = [tokens(300 + i, 2 * CHUNK) for i in range(2)]
-    with open_cache(tmp_path / "s", "files", durability="power") as cache:
-        for toks in seqs:
-            assert cache.save(toks, make_kv(toks)) == len(toks)
-        assert cache.flush(60)
-        assert calls == ["_write_record_direct"] * 4
-    with open_cache(tmp_path / "s", "files") as cache:
-        for toks in seqs:
-            assert same_bits(cache.load(toks), make_kv(toks))
+    kvs = {bytes([k]) * 32: make_kv(tokens(300 + k, CHUNK)) for k in range(3)}
+    with ChunkStore(config(tmp_path / "s", "files", durability="power")) as store:
+        for key, kv in kvs.items():
+            if path == "staged":
+                buf = kv.clone()
+            else:
+                buf = store.buffer(tuple(kv.shape), kv.dtype)
+                buf.copy_(kv)
+            assert store.put(key, buf, namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+        assert store.flush(60)
+        assert (_staging_bytes(store) > 0) == (path == "staged")
+        assert calls == ["_write_file_direct"] * len(kvs)
+    with ChunkStore(config(tmp_path / "s", "files")) as store:
+        for key, kv in kvs.items():
+            assert same_bits(store.get(key), kv)

@@ -69,14 +69,14 @@ class GatedCopies(CopyStream):
 
 
 @contextlib.contextmanager
-def _rig(tmp_path: Path, pool_chunks: int = 4,
+def _rig(tmp_path: Path, pool_chunks: int = 4, g: Geometry = G,
          **worker_args: object) -> Iterator[tuple[ChunkStore, WorkerSide, dict[str, torch.Tensor], GatedCopies]]:
     """A store and a worker whose copy stream is :class:`GatedCopies`, over random KV; on
     the way out every event completes (nothing waits on one forever) and both close."""
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=pool_chunks * G.chunk_bytes,
-                      write_queue_bytes=pool_chunks * G.chunk_bytes, io_threads=2)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=pool_chunks * g.chunk_bytes,
+                      write_queue_bytes=pool_chunks * g.chunk_bytes, io_threads=2)
     store = ChunkStore(cfg)
-    worker, caches = make_worker(store, G, "kv_last", "cpu", **worker_args)
+    worker, caches = make_worker(store, g, "kv_last", "cpu", **worker_args)
     worker.copies = copies = GatedCopies()
     gen = torch.Generator().manual_seed(1)
     for c in caches.values():
@@ -171,24 +171,27 @@ def test_the_hooks_before_the_planning_one_enqueue_nothing_and_it_copies_their_l
             _assert_stored(store, k, caches, b)
 
 
-def test_a_model_with_fewer_layers_than_the_planning_hook_plans_at_its_last(tmp_path: Path) -> None:
+def test_a_model_with_fewer_layers_than_the_planning_hook_plans_at_its_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A two-layer model (the suite's tiny vLLM models) plans in its second and last hook
     and copies both layers there: nothing is left for after the forward pass."""
-    from kvtier.vllm.metadata import SaveSpec
+    from kvtier.vllm.metadata import KVTierMetadata, SaveSpec
 
     g = Geometry(layers=2)
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=4 * g.chunk_bytes,
-                      write_queue_bytes=4 * g.chunk_bytes)
-    with ChunkStore(cfg) as store:
-        worker, caches = make_worker(store, g, "kv_last", "cpu")
-        try:
-            key, ids = os.urandom(32), list(range(PER_CHUNK))
-            save_step(worker, caches, [SaveSpec("r", (key,), 0, g.chunk_tokens, ids)])
-            assert worker.stats["save_chunks"] == 1 and "save_layers_after_forward" not in worker.stats
-            assert store.flush(30)
-            assert store.backend.present_each([key]) == [True]
-        finally:
-            worker.close()
+    with _rig(tmp_path, g=g) as (store, worker, caches, copies):
+        order = _log_copies(monkeypatch, copies)
+        key, ids = os.urandom(32), list(range(PER_CHUNK))
+        meta = KVTierMetadata(saves=[SaveSpec("r", (key,), 0, g.chunk_tokens, ids)])
+        first, last = caches
+        worker.save_layer(meta, first)
+        assert order == []
+        worker.save_layer(meta, last)
+        assert order == ["gather", "event", "host copy"] * 2
+        worker.finish_saves(meta)
+        assert worker.stats["save_chunks"] == 1 and "save_layers_after_forward" not in worker.stats
+        copies.complete_all()
+        assert store.flush(30)
+        _assert_stored(store, key, caches, ids)
 
 
 @pytest.mark.parametrize("left", ["one hook", "three hooks"])
