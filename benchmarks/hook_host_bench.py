@@ -27,13 +27,17 @@ on a GPU).
 
 ``--writer`` measures something else: what the store's threads cost the model's thread
 outside kvtier's hooks. vLLM's forward pass is, on the host, a loop of PyTorch operations
-that enqueue kernels; each lets go of the GIL, and while kvtier's writer encodes and
-writes a step's chunks it may take the GIL and keep the model's thread waiting. A loop of
-``WRITER_LOOP_OPS`` tiny operations runs with the store idle, then right after ``--chunks``
-chunks of a Llama-3-8B rank (32 MiB each) were handed to it, ``--rounds`` times; the table
-gives the loop's time and its operations' median, 99th percentile and worst. Where it can,
-it keeps the loop's thread on one CPU and the store's threads on the others (``pinned`` in
-the JSON), so that what it counts is the GIL, not a shared core.
+that enqueue kernels; each lets go of the GIL, and each time one of the store's threads
+takes it (after each system call, to run Python), the model's thread may have to wait for
+it. A loop of tiny operations runs with the store idle (``IDLE_LOOP_OPS`` of them), then
+for as long as the store (``--backend``) writes ``--chunks`` chunks of a Llama-3-8B rank
+(32 MiB each) handed to it. Per loop: its operations' median, 99th and 99.9th percentile
+and worst, and, on Linux, how often and how long the loop's thread slept for the GIL (a
+voluntary context switch of that thread during a tiny CPU add can only be that): in all,
+as a share of the loop, and per chunk written. Where it can, it keeps the loop's thread on
+one CPU and the store's threads on the others (``pinned`` in the JSON), so that what it
+counts is the GIL, not a shared core. Each round runs in a fresh process; with
+``--against DIR`` the two checkouts take turns.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import functools
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -121,10 +126,11 @@ def measure(chunks: int, steps: int, copy_bytes: int | None) -> dict[str, float]
             "step_p90_ms": pct(total, 0.9), **ops}
 
 
-WRITER_LOOP_OPS = 3000
+IDLE_LOOP_OPS = 20_000
+OPS_PER_CHECK = 100  # the loop asks whether the store is done writing after this many
 
 
-def writer_interference(chunks: int, rounds: int) -> list[dict[str, float | str | bool]]:
+def writer_interference(chunks: int, rounds: int, backend: str) -> list[dict[str, float | str | bool | None]]:
     """Per round: the model's thread's loop with the store idle, then while it writes."""
     import torch
 
@@ -135,18 +141,42 @@ def writer_interference(chunks: int, rounds: int) -> list[dict[str, float | str 
     shape, dtype = (32, 2, 256, 8, 128), torch.bfloat16  # (a Llama-3-8B rank's 256-token chunk)
     chunk_bytes = math.prod(shape) * dtype.itemsize
     a, b, c = torch.ones(64), torch.ones(64), torch.empty(64)
+    # A thread that waits for the GIL sleeps: a voluntary context switch of the loop's own
+    # thread (Linux counts them per thread). A tiny CPU add sleeps for nothing else.
+    per_thread = getattr(resource, "RUSAGE_THREAD", None)
 
-    def loop() -> dict[str, float]:
-        times = []
+    def switches() -> int:
+        return resource.getrusage(per_thread).ru_nvcsw if per_thread is not None else 0
+
+    def loop(store: ChunkStore | None) -> dict[str, float | None]:
+        """Tiny operations until the store has written all it was handed (``store``), or
+        IDLE_LOOP_OPS of them."""
+        times, waits, waited = [], 0, 0.0
         start = time.perf_counter()
-        for _ in range(WRITER_LOOP_OPS):
-            t = time.perf_counter()
-            torch.add(a, b, out=c)
-            times.append(time.perf_counter() - t)
+        while True:
+            for _ in range(OPS_PER_CHECK):
+                s0 = switches()
+                t = time.perf_counter()
+                torch.add(a, b, out=c)
+                d = time.perf_counter() - t
+                slept = switches() - s0
+                times.append(d)
+                if slept:
+                    waits += slept
+                    waited += d
+            if store.flush(0) if store is not None else len(times) >= IDLE_LOOP_OPS:
+                break
         total = time.perf_counter() - start
         times.sort()
-        return {"loop_ms": total * 1e3, "op_p50_us": times[len(times) // 2] * 1e6,
-                "op_p99_us": times[int(0.99 * len(times))] * 1e6, "op_max_us": times[-1] * 1e6}
+
+        def q(f: float) -> float:
+            return times[min(len(times) - 1, int(f * len(times)))] * 1e6
+
+        got = per_thread is not None
+        return {"loop_ms": total * 1e3, "ops": len(times), "op_p50_us": q(0.5), "op_p99_us": q(0.99),
+                "op_p999_us": q(0.999), "op_max_us": times[-1] * 1e6,
+                "gil_waits": waits if got else None, "gil_wait_ms": waited * 1e3 if got else None,
+                "gil_wait_share": waited / total if got else None}
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -161,16 +191,16 @@ def writer_interference(chunks: int, rounds: int) -> list[dict[str, float | str 
                 os.sched_setaffinity(int(task), cpus[:1] if int(task) == me else cpus[1:])
         return True
 
-    rows: list[dict[str, float | str | bool]] = []
+    rows: list[dict[str, float | str | bool | None]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-writer-bench-") as d:
         cfg = CacheConfig(path=Path(d) / "s", chunk_tokens=256, host_bytes=2 * chunks * chunk_bytes,
-                          write_queue_bytes=chunks * chunk_bytes)
+                          write_queue_bytes=chunks * chunk_bytes, backend=backend)
         with ChunkStore(cfg) as store:
             store.reserve_buffers(shape, dtype)
-            loop()  # (warm-up)
+            loop(None)  # (warm-up)
             for r in range(rounds):
                 pinned = pin()
-                rows.append({"round": r + 1, "store": "idle", **loop(), "pinned": pinned})
+                rows.append({"round": r + 1, "store": "idle", **loop(None), "pinned": pinned})
                 for i in range(chunks):
                     buf = store.buffer(shape, dtype)
                     assert buf is not None
@@ -178,13 +208,10 @@ def writer_interference(chunks: int, rounds: int) -> list[dict[str, float | str 
                     store.put(os.urandom(32), buf, namespace_id=bytes(16), token_start=0, num_tokens=256)
                 del buf
                 pinned = pin()
-                measured = loop()
-                # (whether the writer was still at it when the loop ended: else part of the
-                # loop ran beside an idle store)
-                rows.append({"round": r + 1, "store": "writing", **measured, "pinned": pinned,
-                             "busy_throughout": not store.flush(0)})
-                if not store.flush(120):
-                    raise SystemExit("the store did not write its chunks within 120 s")
+                m = loop(store)
+                per_chunk = None if m["gil_wait_ms"] is None else m["gil_wait_ms"] * 1e3 / chunks
+                rows.append({"round": r + 1, "store": "writing", **m, "gil_wait_us_per_chunk": per_chunk,
+                             "pinned": pinned})
     return rows
 
 
@@ -199,6 +226,35 @@ def top_level_ops(call: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
+def run_child(tree: Path, extra: list[str], chunks: int) -> object:
+    """This script, ``--one``, in a fresh process on the kvtier at ``tree``; its JSON."""
+    cmd = [sys.executable, str(HERE / "hook_host_bench.py"), "--one", "--chunks", str(chunks), *extra]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_writer_table(rows: list[dict[str, object]], chunks: int, backend: str) -> None:
+    pinned = all(m["pinned"] for m in rows)
+    where = ("the loop's thread on one CPU, the store's threads on the others" if pinned
+             else "threads not pinned: the counts include a shared core")
+    print(f"tiny PyTorch operations on the model's thread: {IDLE_LOOP_OPS:,} with the store idle, and for as long "
+          f"as the store ({backend}) writes {chunks} chunks of 32 MiB handed to it ({where})\n")
+    print("| round | code | store | loop (ms) | operations | GIL waits | time waiting for the GIL (ms; share of the loop) "
+          "| per chunk written (µs) | per operation: median / p99 / p99.9 / worst (µs) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def num(v: object, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    for m in rows:
+        share = "" if m["gil_wait_share"] is None else f"; {m['gil_wait_share']:.1%}"
+        print(f"| {m['round']} | {m['code']} | {m['store']} | {m['loop_ms']:.1f} | {m['ops']:,} "
+              f"| {num(m['gil_waits'], 'd')} | {num(m['gil_wait_ms'], '.2f')}{share} "
+              f"| {num(m.get('gil_wait_us_per_chunk'), '.0f') if m['store'] == 'writing' else ''} "
+              f"| {m['op_p50_us']:.1f} / {m['op_p99_us']:.1f} / {m['op_p999_us']:.0f} / {m['op_max_us']:.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=16, help="chunks saved per step (default 16: a 4,096-token prefill)")
@@ -209,37 +265,30 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--writer", action="store_true",
                     help="measure the store's writer's cost to the model's thread instead (see above)")
+    ap.add_argument("--backend", choices=("files", "lmdb"), default="files", help="the store's backend (--writer)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run: JSON out
     args = ap.parse_args()
-    if args.writer:
-        wrows = writer_interference(args.chunks, args.rounds)
-        where = ("the loop's thread on one CPU, the store's threads on the others" if wrows[0]["pinned"]
-                 else "threads not pinned: the counts include a shared core")
-        print(f"a loop of {WRITER_LOOP_OPS} tiny PyTorch operations on the model's thread, with the store idle and "
-              f"while it writes {args.chunks} chunks of 32 MiB ({where})\n")
-        print("| round | store | loop (ms) | per operation: median / p99 / worst (µs) |")
-        print("|---|---|---|---|")
-        for m in wrows:
-            note = "" if m.get("busy_throughout", True) else " (the writer finished first)"
-            print(f"| {m['round']} | {m['store']}{note} | {m['loop_ms']:.2f} "
-                  f"| {m['op_p50_us']:.1f} / {m['op_p99_us']:.1f} / {m['op_max_us']:.0f} |")
-        if args.json:
-            Path(args.json).write_text(json.dumps(wrows, indent=1))
+    if args.writer and args.one:
+        print(json.dumps(writer_interference(args.chunks, args.rounds, args.backend)))
         return
     if args.one:
         print(json.dumps(measure(args.chunks, args.steps, args.copy_bytes)))
         return
     trees = [("this checkout", HERE.parent)] + ([("--against", Path(args.against).resolve())] if args.against else [])
+    if args.writer:  # each round a fresh process per tree, in turn
+        wrows = [{"code": label, **m, "round": r + 1} for r in range(args.rounds) for label, tree in trees
+                 for m in run_child(tree, ["--writer", "--rounds", "1", "--backend", args.backend], args.chunks)]
+        print_writer_table(wrows, args.chunks, args.backend)
+        if args.json:
+            Path(args.json).write_text(json.dumps(wrows, indent=1))
+        return
     rows = []
     for r in range(args.rounds):
         for label, tree in trees:
-            cmd = [sys.executable, str(HERE / "hook_host_bench.py"), "--one", "--chunks", str(args.chunks),
-                   "--steps", str(args.steps)]
+            extra = ["--steps", str(args.steps)]
             if args.copy_bytes is not None and label == "this checkout":
-                cmd += ["--copy-bytes", str(args.copy_bytes)]
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-            rows.append((r + 1, label, json.loads(out.stdout.strip().splitlines()[-1])))
+                extra += ["--copy-bytes", str(args.copy_bytes)]
+            rows.append((r + 1, label, run_child(tree, extra, args.chunks)))
     print(f"{args.chunks} chunks per step, 32 layers, {args.steps} steps per run (host time, ms)\n")
     print("| round | code | " + " | ".join(f"{nth} save_kv_layer (median; ops)" for nth in FIRST_HOOKS)
           + " | save_kv_layer, all layers (median) | wait_for_save (median / p90) | step (median / p90) |")

@@ -17,7 +17,7 @@
 # --chunk-tokens 1024 --chunks 4", or "--contents kv_last --copy-mib 0 8": loads one layer
 # per copy beside 8 MiB copies; "--save-copy-mib 0 8" the same for saves; "--trace $OUT": a
 # profiler trace per row, about 4 MiB each, and the device's own costs from it); writer:
-# hook_host_bench.py --writer, what the store's writer costs the model's thread on that
+# hook_host_bench.py --writer for each backend, what the store's writer costs the model's thread on that
 # host (the GIL; no device work; into log.txt, no file of its own); store: storage_bench.py on that disk; storage-tests:
 # tests/storage with CUDA visible. On an H100 (2026-11-26) tests took 25-40 s and the
 # benchmark about 45 s per content layout; store and storage-tests take minutes. With a
@@ -62,8 +62,10 @@ if [[ "$part" == gpu || "$part" == all ]]; then
     ${GPU_ARGS:-} 2>>"$log" | tee "$out/gpu_bench.md" || echo "gpu_bench failed or timed out: see $log" >&2
 fi
 if [[ "$part" == writer || "$part" == all ]]; then
-  timeout 180 "$python" benchmarks/hook_host_bench.py --writer --rounds 5 2>&1 | tee -a "$log" \
-    || echo "hook_host_bench --writer failed or timed out: see $log" >&2
+  for backend in files lmdb; do
+    timeout 180 "$python" benchmarks/hook_host_bench.py --writer --rounds 3 --backend "$backend" 2>&1 | tee -a "$log" \
+      || echo "hook_host_bench --writer --backend $backend failed or timed out: see $log" >&2
+  done
 fi
 if [[ "$part" == store || "$part" == all ]]; then
   for mib in 256 128; do
