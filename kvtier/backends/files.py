@@ -1,7 +1,7 @@
 """Files payload store: one file per record version under hash-sharded directories.
 
-A record is written to a temp file (many at once, on a pool of ``io_threads`` threads driven
-by an asyncio loop), then renamed to ``<key>.<location>.kvt``, a name no other version of the record
+A record is written to a temp file (many at once, on a pool of ``io_threads`` threads, each
+record in one call on it), then renamed to ``<key>.<location>.kvt``, a name no other version of the record
 shares: removing an old version can never remove a newer one. The rename does not make the
 record visible; the index commit that names the location does (see ``index.py``). With
 ``durability="power"`` each file is fdatasynced before its rename and each touched
@@ -21,7 +21,6 @@ of its batch is stored.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import errno
@@ -29,11 +28,13 @@ import io
 import itertools
 import mmap
 import os
+import queue
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import TypeVar
 
@@ -58,6 +59,10 @@ _ALIGN = 4096  # O_DIRECT offset/length/address alignment (logical block size, a
 # segments, which bounds staging memory at io_threads x this, and 8 MiB writes already
 # run at the disk's sequential speed.
 _STAGE_BYTES = 8 << 20
+# A record in place is written in one write(2) (each system call lets go of the GIL and takes
+# it again, and the model's thread of a serving process waits for it), up to this much:
+# Linux writes at most 2 GiB - 4 KiB per call, and a short write reads as a full disk.
+_DIRECT_WRITE_BYTES = 1 << 30
 
 _FORK_ORPHANS: list[object] = []
 _TEMP_SEQ = itertools.count()
@@ -88,15 +93,13 @@ class FilePayloads(PayloadStore):
         # (see _FileReader.fill_record); turned off if the filesystem refuses it.
         self.direct_reads = direct_reads
         self._pool: ThreadPoolExecutor | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def after_fork_in_child(self) -> None:
-        # The parent's lock may be held by a thread that does not exist here, and its event
-        # loop and I/O threads are not ours: start afresh (the parent's objects are kept
-        # referenced, never closed here, so nothing of the parent's is torn down).
-        _FORK_ORPHANS.append((self._loop, self._pool))
+        # The parent's lock may be held by a thread that does not exist here, and its I/O
+        # threads are not ours: start afresh (the parent's pool is kept referenced, never
+        # shut down here, so nothing of the parent's is torn down).
+        _FORK_ORPHANS.append(self._pool)
         self._write_lock = threading.Lock()
-        self._loop = None
         self._pool = None
 
     def occupied(self, size: int) -> int:
@@ -158,25 +161,27 @@ class FilePayloads(PayloadStore):
         if not items:
             return []
         with self._write_lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
+            if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-aio")
-                self._loop.set_default_executor(self._pool)
-            results = self._loop.run_until_complete(self._write_temps(items))
+            records = [_in_place(it) for it in items]
+            free = self._staging_buffers([it for it, rec in zip(items, records, strict=True) if rec is None])
+            # Each record whole (its temp file written, synced, renamed into place) in one
+            # call on the pool, and this thread wakes once, for the batch: every wake-up of
+            # a thread takes the GIL, which a serving process's model thread then waits for
+            # (hook_host_bench.py --writer).
+            futures = [self._on_pool(FilePayloads._write_record, [self, it, loc, rec, free])
+                       for it, loc, rec in zip(items, locations, records, strict=True)]
+            wait_futures(futures)
             errors: list[BaseException | None] = []
             changed: set[Path] = set()  # directories that gained an entry
-            for it, loc, res in zip(items, locations, results, strict=True):
-                if isinstance(res, BaseException):
-                    errors.append(res)
-                    continue
-                final = self.path_of(it.key, loc)
-                try:
-                    changed |= self._place(res, it.key, loc)
-                    changed.add(final.parent)
-                    errors.append(None)
-                except OSError as exc:
-                    _unlink_quiet(res)
+            for fut in futures:
+                exc = fut.exception()
+                if exc is not None:
+                    _forget_frames(exc)
                     errors.append(exc)
+                else:
+                    changed |= fut.result()
+                    errors.append(None)
             if self.durability == "power" and changed:  # file data was fsynced before the rename
                 try:
                     self._fsync_dirs(changed)
@@ -187,14 +192,11 @@ class FilePayloads(PayloadStore):
                     return [exc] * len(items)
         return errors
 
-    async def _write_temps(self, items: list[PutItem]) -> list[str | BaseException]:
-        # A record assembled in place in its (page-aligned) pool buffer is written from it as
-        # it is. Any other is copied through a staging buffer, one per concurrent O_DIRECT
-        # writer: at most io_threads such records are in flight, each filling and writing its
-        # buffer segment by segment.
-        free: asyncio.Queue[mmap.mmap] = asyncio.Queue()
-        records = [_in_place(it) for it in items]
-        staged = [it for it, rec in zip(items, records, strict=True) if rec is None]
+    def _staging_buffers(self, staged: list[PutItem]) -> queue.SimpleQueue[mmap.mmap]:
+        """The staging buffers for the records ``staged`` (those not assembled in place),
+        one per concurrent O_DIRECT writer: at most io_threads of them are in flight, each
+        filling and writing its buffer segment by segment."""
+        free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         if staged:
             need = min(_round_up(max(it.size for it in staged)), _STAGE_BYTES)
             while len(self._stage) < min(self.io_threads, len(staged)):
@@ -202,65 +204,66 @@ class FilePayloads(PayloadStore):
             for i, b in enumerate(self._stage):
                 if len(b) < need:  # grown records: replace (the old buffer is not in use now)
                     self._stage[i] = b = anonymous_map(need)
-                free.put_nowait(b)
-        results = await asyncio.gather(*(self._write_one(it, rec, free) for it, rec in zip(items, records, strict=True)),
-                                       return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                _forget_frames(r)
-        return results
+                free.put(b)
+        return free
 
-    async def _write_one(self, it: PutItem, record: memoryview | None, free: asyncio.Queue[mmap.mmap]) -> str:
-        """Write ``it`` to a temp file: with O_DIRECT from ``record`` (the record in place,
-        see ``_in_place``) or through a staging buffer from ``free``; buffered if the
-        filesystem refuses O_DIRECT."""
+    def _write_record(self, it: PutItem, location: int, record: memoryview | None,
+                      free: queue.SimpleQueue[mmap.mmap]) -> set[Path]:
+        """On a pool thread: write ``it`` to a temp file, with O_DIRECT from ``record`` (the
+        record in place, see ``_in_place``) or through a staging buffer from ``free``,
+        buffered if the filesystem refuses O_DIRECT; then rename it into place. The
+        directories that gained an entry."""
         # unique (pid scope and pid first: _remove_dead_temps judges a temp by them)
         tmp = str(self._tmp / f"{_TEMP_SCOPE}-{os.getpid()}-{next(_TEMP_SEQ)}-{it.key.hex()[:16]}.tmp")
         try:
+            written = False
             if self._direct_write is not False:
                 if record is not None:
-                    if await self._write_direct(tmp, it, record, in_place=True):
-                        return tmp
+                    written = self._write_direct(tmp, it, record, in_place=True)
                 else:
-                    buf = await free.get()
+                    buf = free.get()
                     try:
-                        if await self._write_direct(tmp, it, buf):
-                            return tmp
+                        written = self._write_direct(tmp, it, buf)
                     finally:
-                        free.put_nowait(buf)
-            await self._on_pool(_write_file_buffered, [tmp, it, self.durability == "power"])
+                        free.put(buf)
+            if not written:
+                _write_file_buffered(tmp, it, self.durability == "power")
+            return self._place(tmp, it.key, location) | {self.path_of(it.key, location).parent}
         except BaseException:
             _unlink_quiet(tmp)
             raise
-        return tmp
 
-    async def _on_pool(self, fn: Callable[..., T], args: list[object]) -> T:
+    def _on_pool(self, fn: Callable[..., T], args: list[object]) -> Future[T]:
         """``fn(*args)`` on the I/O pool, holding no reference to ``args`` once it returns.
         A pool thread deletes its work item (and the arguments in it) only after setting
         the result, so a chunk's buffer passed as a plain argument could outlive the batch
         by a moment on a busy machine, and a save right after ``flush`` found the pool full
         (a dropped save). ``fn`` itself stays in the work item: never pass a bound method
         of something that holds a chunk."""
+        assert self._pool is not None
         try:
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, _call_and_drop, fn, args)
+            return self._pool.submit(_call_and_drop, fn, args)
         except RuntimeError:  # the pool takes no work (the interpreter is exiting): here, then
-            return _call_and_drop(fn, args)
-        return await fut
+            fut: Future[T] = Future()
+            try:
+                fut.set_result(_call_and_drop(fn, args))
+            except Exception as exc:
+                fut.set_exception(exc)
+            return fut
 
-    async def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview, *,
-                            in_place: bool = False) -> bool:
+    def _write_direct(self, tmp: str, it: PutItem, buf: mmap.mmap | memoryview, *,
+                      in_place: bool = False) -> bool:
         """Write the record with O_DIRECT, through the staging buffer ``buf``, or straight
         from ``buf`` when it is the record itself (``in_place``); False if the filesystem
         refuses O_DIRECT."""
-        try:  # the whole file in one call on the pool (see _write_file_direct)
-            await self._on_pool(_write_file_direct, [tmp, buf, it.size, self.durability == "power",
-                                                     None if in_place else it])
+        try:
+            _write_file_direct(tmp, buf, it.size, self.durability == "power", None if in_place else it)
         except OSError as exc:
             if exc.errno != errno.EINVAL or self._direct_write:
                 raise
             self._direct_write = False  # never worked here: buffered from now on
             _unlink_quiet(tmp)
-            _forget_frames(exc)  # the pool's future keeps it a while
+            _forget_frames(exc)
             return False
         self._direct_write = True
         return True
@@ -371,9 +374,6 @@ class FilePayloads(PayloadStore):
             return None
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -454,13 +454,11 @@ def _write_file_direct(path: str, buf: mmap.mmap | memoryview, total: int, sync:
     """Write a record of ``total`` bytes to a new file at ``path`` with ``O_DIRECT``, from
     ``buf``: the record itself, assembled in place in its page-aligned buffer (at least
     ``total`` bytes rounded up to a page), or, with ``staged`` (the record's item), a
-    staging buffer each segment of it is copied into first. Segment by segment (a raw
-    FileIO: each write() is one write(2) of the aligned view), then the page padding cut
-    off and the file synced if ``sync``. All in one call on the I/O pool: each call through
-    the event loop holds the GIL a while (its future, callbacks and wake-up), which the
-    model's thread of a serving process waits for (``hook_host_bench.py --writer``); a call
-    per segment, plus the open, truncation, sync and close, made seven or eight per 32 MiB
-    record. (:func:`_write_file_buffered` likewise, where the filesystem refuses O_DIRECT.)"""
+    staging buffer each segment of it is copied into first. The record in place in one
+    write(2) (up to ``_DIRECT_WRITE_BYTES``), a staged one segment by segment (a raw FileIO:
+    each write() is one write(2) of the aligned view), then the page padding cut off and the
+    file synced if ``sync``. Runs on a pool thread (see ``FilePayloads._write_record``).
+    (:func:`_write_file_buffered` likewise, where the filesystem refuses O_DIRECT.)"""
     if staged is None:  # (the padding goes to disk, then is cut)
         np.frombuffer(buf, dtype=np.uint8)[total:] = 0
     f = _open_temp(path, True)
@@ -468,7 +466,7 @@ def _write_file_direct(path: str, buf: mmap.mmap | memoryview, total: int, sync:
         pos = 0
         while pos < total:
             if staged is None:
-                n = min(_STAGE_BYTES, total - pos)
+                n = min(_DIRECT_WRITE_BYTES, total - pos)
                 start, m = pos, _round_up(n)
             else:  # (numpy lets go of the GIL while it copies)
                 n = min(len(buf), total - pos)
@@ -487,8 +485,7 @@ def _write_file_direct(path: str, buf: mmap.mmap | memoryview, total: int, sync:
 
 def _write_file_buffered(path: str, it: PutItem, sync: bool) -> None:
     """Write a record to a new file at ``path`` without ``O_DIRECT`` (a filesystem that
-    refuses it), synced if ``sync``: in one call on the I/O pool, as
-    :func:`_write_file_direct`."""
+    refuses it), synced if ``sync``."""
     f = _open_temp(path, False)
     try:
         for part in (it.header, it.payload):

@@ -156,22 +156,23 @@ def test_only_the_stores_own_buffers_are_written_in_place(tmp_path: Path, backen
 @pytest.mark.parametrize("path", ["in place", "staged"])
 def test_a_record_is_written_in_one_call_on_the_io_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         path: str) -> None:
-    """The files backend writes each record (open, O_DIRECT writes, truncation, sync, close)
-    in one call on its I/O pool: each call through its event loop holds the GIL a while,
+    """The files backend writes each record (open, O_DIRECT writes, truncation, sync, close,
+    rename) in one call on its I/O pool: each call's hand-over and wake-up take the GIL,
     which a serving process's model thread waits for. Records several write segments long
-    (``_STAGE_BYTES`` made small), with ``power`` durability, assembled in place in their
+    (``_STAGE_BYTES`` and ``_DIRECT_WRITE_BYTES`` made small), with ``power`` durability, assembled in place in their
     pool buffers or (a caller's own tensor) staged segment by segment: one call per record,
     and each reads back bit for bit."""
     from kvtier.backends import files
 
     skip_without_o_direct(tmp_path)
-    monkeypatch.setattr(files, "_STAGE_BYTES", 8192)  # (a chunk here is several of them)
+    for segment in ("_STAGE_BYTES", "_DIRECT_WRITE_BYTES"):
+        monkeypatch.setattr(files, segment, 8192)  # (a chunk here is several of them)
     calls: list[str] = []
     real = files.FilePayloads._on_pool
 
-    async def counted(self: files.FilePayloads, fn: object, args: list[object]) -> object:
+    def counted(self: files.FilePayloads, fn: object, args: list[object]) -> object:
         calls.append(getattr(fn, "__name__", str(fn)))
-        return await real(self, fn, args)
+        return real(self, fn, args)
 
     monkeypatch.setattr(files.FilePayloads, "_on_pool", counted)
     kvs = {bytes([k]) * 32: make_kv(tokens(300 + k, CHUNK)) for k in range(3)}
@@ -185,7 +186,7 @@ def test_a_record_is_written_in_one_call_on_the_io_pool(tmp_path: Path, monkeypa
             assert store.put(key, buf, namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
         assert store.flush(60)
         assert (_staging_bytes(store) > 0) == (path == "staged")
-        assert calls == ["_write_file_direct"] * len(kvs)
+        assert calls == ["_write_record"] * len(kvs)
     with ChunkStore(config(tmp_path / "s", "files")) as store:
         for key, kv in kvs.items():
             assert same_bits(store.get(key), kv)

@@ -193,15 +193,17 @@ def test_the_exit_flush_waits_again_only_for_a_store_that_made_progress(tmp_path
         monkeypatch.undo()
 
 
-def test_a_write_helper_that_raises_runtimeerror_is_not_run_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pool", ["running", "shut down"])
+def test_a_write_helper_that_raises_runtimeerror_is_not_run_again(tmp_path: Path, pool: str) -> None:
     """The files backend runs a helper on its own thread when the interpreter's pools refuse
-    work; an error the helper itself raised must surface as it is, not be retried (the retry
-    had no arguments left and hid it under a TypeError)."""
-    import asyncio
-
+    work (a pool that is shut down raises RuntimeError); an error the helper itself raised
+    must surface as it is, not be retried (the retry had no arguments left and hid it under
+    a TypeError)."""
     with ChunkStore(CacheConfig(path=tmp_path / "s", backend="files")) as store:
         payloads = store.backend.payloads
         payloads._pool = ThreadPoolExecutor(1)
+        if pool == "shut down":
+            payloads._pool.shutdown()
         runs = []
 
         def fails(x: int) -> None:
@@ -210,7 +212,7 @@ def test_a_write_helper_that_raises_runtimeerror_is_not_run_again(tmp_path: Path
 
         try:
             with pytest.raises(RuntimeError, match="the helper's own error"):
-                asyncio.run(payloads._on_pool(fails, [1]))
+                payloads._on_pool(fails, [1]).result()
         finally:
             payloads._pool.shutdown()
             payloads._pool = None
