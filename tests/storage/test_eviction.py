@@ -13,6 +13,7 @@ from kvhelpers import CHUNK, config, make_kv, open_cache, same_bits, tokens
 
 from kvtier import ChunkStore, KVCache, codec
 from kvtier.backends.base import EVICT_LOW_WATERMARK
+from kvtier.store import Outcome
 
 CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # one bf16 chunk
 RECORD = codec._FIXED.size + 8 * 5 + 8 + CHUNK_BYTES  # header + payload of one chunk
@@ -286,7 +287,7 @@ def test_shard_directories_emptied_by_removals_are_removed(tmp_path: Path) -> No
         make_dirs = payloads._make_dirs
         raced = []
 
-        def make_then_lose(shard: Path) -> set[Path]:  # another process empties and removes it
+        def make_then_lose(shard: str) -> set[str]:  # another process empties and removes it
             changed = make_dirs(shard)
             if not raced:
                 raced.append(shard)
@@ -300,3 +301,32 @@ def test_shard_directories_emptied_by_removals_are_removed(tmp_path: Path) -> No
         assert raced and cache.stats()["dropped_saves"] == 0
         assert b.present_each([ref.key for ref in cache.chunks(toks)]) == [True]  # on disk
         assert same_bits(cache.load(toks), make_kv(toks))
+
+
+def test_a_shard_directory_that_is_a_link_out_of_the_store_is_never_written_read_or_emptied(
+        tmp_path: Path) -> None:
+    """A store prepared by someone else may hold a symlink where a record directory belongs.
+    kvtier writes no record through it (the save is dropped and counted), reads none through
+    it (an I/O error, not a hit), and its removals delete nothing behind it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    kv = make_kv(tokens(7, CHUNK))
+    first, second = b"\xab\xcd" + bytes(30), b"\xab\xcd" + b"\x01" * 30  # (one shard)
+    with ChunkStore(config(tmp_path / "s", "files")) as store:
+        assert store.put(first, kv.clone(), namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+        assert store.flush(30)
+        shard = store.backend.payloads.path_of(first, store.backend.lookup(first).location).parent
+    shard.rename(outside / "shard")  # the record now lies outside, behind a link
+    shard.symlink_to(outside / "shard", target_is_directory=True)
+    behind = sorted((outside / "shard").iterdir())
+    assert len(behind) == 1
+    with ChunkStore(config(tmp_path / "s", "files")) as store:
+        got = store.load(first)
+        assert got.tensor is None and got.outcome == Outcome.IO_ERROR and "link out of the store" in got.why
+        assert store.put(second, kv.clone(), namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+        assert store.flush(30)
+        assert store.counters.snapshot()["dropped_saves"] == 1
+        assert store.backend.lookup(second) is None
+        store.backend.evict_lru(0)
+    assert sorted((outside / "shard").iterdir()) == behind  # nothing written there, nothing removed
+    assert same_bits(codec.decode(behind[0].read_bytes(), expect_key=first)[1], kv)
