@@ -229,7 +229,10 @@ def top_level_ops(call: Callable[[], object]) -> int:
 def run_child(tree: Path, extra: list[str], chunks: int) -> object:
     """This script, ``--one``, in a fresh process on the kvtier at ``tree``; its JSON."""
     cmd = [sys.executable, str(HERE / "hook_host_bench.py"), "--one", "--chunks", str(chunks), *extra]
-    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True,
+    # (``tree`` first; what the path held stays after it: e.g. the dependencies
+    # scripts/gpu-check.sh installs into a folder of their own)
+    path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}, cwd=tree, capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
