@@ -118,9 +118,13 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
+    """``t``'s bytes, flat. One PyTorch operation for a contiguous tensor (the writer's): each
+    lets go of the GIL and takes it again, a wait for a serving process's model thread; the
+    flattening is numpy's, which keeps the GIL."""
     import torch
 
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()  # reshape first: 0-dim tensors too
+    whole = t.contiguous() if t.dim() else t.reshape(1)  # (a 0-dim tensor has no last dim to view)
+    return whole.view(torch.uint8).numpy().reshape(-1)
 
 
 def _shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:

@@ -56,6 +56,18 @@ def test_round_trip_every_dtype(dtype: torch.dtype, compression: str) -> None:
     assert not big[..., 8:].view(torch.uint8).any()
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("case", ["0-dim", "transposed", "empty"])
+def test_tensors_of_any_shape_or_strides_round_trip(case: str, compression: str) -> None:
+    """encode takes a tensor's bytes in its logical order, whatever its layout."""
+    t = {"0-dim": rand_tensor(torch.bfloat16, (1,)).reshape(()),
+         "transposed": rand_tensor(torch.float32, (6, 4)).t(),
+         "empty": torch.empty((2, 0, 3), dtype=torch.float16)}[case]
+    header, payload = codec.encode(t, key=KEY, namespace_id=NS, token_start=0, num_tokens=1, compression=compression)
+    got = codec.decode(header + bytes(payload), expect_key=KEY)[1]
+    assert got.shape == t.shape and same_bits(got, t.contiguous())
+
+
 def test_zstd_shuffles_byte_planes() -> None:
     """16-bit data whose high bytes are constant compresses far better shuffled."""
     t = (torch.arange(4096, dtype=torch.int16) % 256).view(torch.bfloat16).reshape(1, 2, 64, 4, 8)
