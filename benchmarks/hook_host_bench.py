@@ -130,6 +130,49 @@ IDLE_LOOP_OPS = 20_000
 OPS_PER_CHECK = 100  # the loop asks whether the store is done writing after this many
 
 
+def op_loop(done: Callable[[int], bool]) -> dict[str, float | None]:
+    """The model's thread, on the host: tiny PyTorch operations, each letting go of the GIL,
+    ``OPS_PER_CHECK`` at a time until ``done(operations so far)``. Their times, and how
+    often and how long this thread slept for the GIL meanwhile: a thread that waits for the
+    GIL sleeps, a voluntary context switch of its own (Linux counts them per thread), and a
+    tiny CPU add sleeps for nothing else (None where the system does not count them)."""
+    import torch
+
+    a, b, c = torch.ones(64), torch.ones(64), torch.empty(64)
+    per_thread = getattr(resource, "RUSAGE_THREAD", None)
+
+    def switches() -> int:
+        return resource.getrusage(per_thread).ru_nvcsw if per_thread is not None else 0
+
+    times: list[float] = []
+    waits, waited = 0, 0.0
+    start = time.perf_counter()
+    while True:
+        for _ in range(OPS_PER_CHECK):
+            s0 = switches()
+            t = time.perf_counter()
+            torch.add(a, b, out=c)
+            d = time.perf_counter() - t
+            slept = switches() - s0
+            times.append(d)
+            if slept:
+                waits += slept
+                waited += d
+        if done(len(times)):
+            break
+    total = time.perf_counter() - start
+    times.sort()
+
+    def q(f: float) -> float:
+        return times[min(len(times) - 1, int(f * len(times)))] * 1e6
+
+    got = per_thread is not None
+    return {"loop_ms": total * 1e3, "ops": len(times), "op_p50_us": q(0.5), "op_p99_us": q(0.99),
+            "op_p999_us": q(0.999), "op_max_us": times[-1] * 1e6,
+            "gil_waits": waits if got else None, "gil_wait_ms": waited * 1e3 if got else None,
+            "gil_wait_share": waited / total if got else None}
+
+
 def writer_interference(chunks: int, rounds: int, backend: str) -> list[dict[str, float | str | bool | None]]:
     """Per round: the model's thread's loop with the store idle, then while it writes."""
     import torch
@@ -140,44 +183,6 @@ def writer_interference(chunks: int, rounds: int, backend: str) -> list[dict[str
     torch.set_num_threads(1)
     shape, dtype = (32, 2, 256, 8, 128), torch.bfloat16  # (a Llama-3-8B rank's 256-token chunk)
     chunk_bytes = math.prod(shape) * dtype.itemsize
-    a, b, c = torch.ones(64), torch.ones(64), torch.empty(64)
-    # A thread that waits for the GIL sleeps: a voluntary context switch of the loop's own
-    # thread (Linux counts them per thread). A tiny CPU add sleeps for nothing else.
-    per_thread = getattr(resource, "RUSAGE_THREAD", None)
-
-    def switches() -> int:
-        return resource.getrusage(per_thread).ru_nvcsw if per_thread is not None else 0
-
-    def loop(store: ChunkStore | None) -> dict[str, float | None]:
-        """Tiny operations until the store has written all it was handed (``store``), or
-        IDLE_LOOP_OPS of them."""
-        times, waits, waited = [], 0, 0.0
-        start = time.perf_counter()
-        while True:
-            for _ in range(OPS_PER_CHECK):
-                s0 = switches()
-                t = time.perf_counter()
-                torch.add(a, b, out=c)
-                d = time.perf_counter() - t
-                slept = switches() - s0
-                times.append(d)
-                if slept:
-                    waits += slept
-                    waited += d
-            if store.flush(0) if store is not None else len(times) >= IDLE_LOOP_OPS:
-                break
-        total = time.perf_counter() - start
-        times.sort()
-
-        def q(f: float) -> float:
-            return times[min(len(times) - 1, int(f * len(times)))] * 1e6
-
-        got = per_thread is not None
-        return {"loop_ms": total * 1e3, "ops": len(times), "op_p50_us": q(0.5), "op_p99_us": q(0.99),
-                "op_p999_us": q(0.999), "op_max_us": times[-1] * 1e6,
-                "gil_waits": waits if got else None, "gil_wait_ms": waited * 1e3 if got else None,
-                "gil_wait_share": waited / total if got else None}
-
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
     def pin() -> bool:
@@ -197,10 +202,11 @@ def writer_interference(chunks: int, rounds: int, backend: str) -> list[dict[str
                           write_queue_bytes=chunks * chunk_bytes, backend=backend)
         with ChunkStore(cfg) as store:
             store.reserve_buffers(shape, dtype)
-            loop(None)  # (warm-up)
+            op_loop(lambda ops: ops >= IDLE_LOOP_OPS)  # (warm-up)
             for r in range(rounds):
                 pinned = pin()
-                rows.append({"round": r + 1, "store": "idle", **loop(None), "pinned": pinned})
+                rows.append({"round": r + 1, "store": "idle", **op_loop(lambda ops: ops >= IDLE_LOOP_OPS),
+                             "pinned": pinned})
                 for i in range(chunks):
                     buf = store.buffer(shape, dtype)
                     assert buf is not None
@@ -208,7 +214,7 @@ def writer_interference(chunks: int, rounds: int, backend: str) -> list[dict[str
                     store.put(os.urandom(32), buf, namespace_id=bytes(16), token_start=0, num_tokens=256)
                 del buf
                 pinned = pin()
-                m = loop(store)
+                m = op_loop(lambda ops: store.flush(0))  # (until it has written all it was handed)
                 per_chunk = None if m["gil_wait_ms"] is None else m["gil_wait_ms"] * 1e3 / chunks
                 rows.append({"round": r + 1, "store": "writing", **m, "gil_wait_us_per_chunk": per_chunk,
                              "pinned": pinned})

@@ -9,7 +9,8 @@
 #   OUT=/some/dir scripts/gpu-check.sh [tests|gpu|writer|store|storage-tests|all]   # default: all
 #
 # .gpu-wheels/ is gitignored: a tool that copies the working tree to the GPU machine must be
-# told to carry it along. Each part has a time limit (tests 300 s, gpu 420 s, store 240 s per
+# told to carry it along. Each part has a time limit (tests 300 s, gpu 420 s, writer 180 s per
+# backend, store 240 s per
 # commit size: STORE_TIMEOUT; storage-tests none), so a hang
 # cannot use up a short lease; run the parts as separate commands (`;`, not `&&`).
 #

@@ -79,8 +79,8 @@ class FilePayloads(PayloadStore):
         self.io_threads = io_threads
         self.max_record_bytes = max_record_bytes
         self._data = root / "files"
-        self._data_dir = str(self._data)
-        self._tmp = root / "files" / "tmp"
+        self._data_dir = str(self._data)  # (the write path builds strings: see _record_path)
+        self._tmp = self._data / "tmp"
         if not readonly:
             for d in (self._data, self._tmp):
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ class FilePayloads(PayloadStore):
         buffered if the filesystem refuses O_DIRECT; then rename it into place. The
         directories that gained an entry."""
         # unique (pid scope and pid first: _remove_dead_temps judges a temp by them)
-        tmp = str(self._tmp / f"{_TEMP_SCOPE}-{os.getpid()}-{next(_TEMP_SEQ)}-{it.key.hex()[:16]}.tmp")
+        tmp = f"{self._data_dir}/tmp/{_TEMP_SCOPE}-{os.getpid()}-{next(_TEMP_SEQ)}-{it.key.hex()[:16]}.tmp"
         try:
             written = False
             if self._direct_write is not False:

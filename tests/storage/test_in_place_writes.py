@@ -190,3 +190,34 @@ def test_a_record_is_written_in_one_call_on_the_io_pool(tmp_path: Path, monkeypa
     with ChunkStore(config(tmp_path / "s", "files")) as store:
         for key, kv in kvs.items():
             assert same_bits(store.get(key), kv)
+
+
+def test_a_record_in_place_is_written_in_one_system_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record assembled in its pool buffer is written with one ``write(2)``, however many
+    staging segments long it is (each system call takes the GIL again on its way out, a
+    wait for a serving process's model thread); a staged one segment by segment."""
+    from kvtier.backends import files
+
+    skip_without_o_direct(tmp_path)
+    monkeypatch.setattr(files, "_STAGE_BYTES", 8192)  # (a chunk here is several segments)
+    writes: list[int] = []
+    real = files._write_view
+
+    def counted(f: object, buf: object, start: int, n: int) -> int:
+        writes.append(n)
+        return real(f, buf, start, n)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(files, "_write_view", counted)
+    kv = make_kv(tokens(400, CHUNK))
+    with ChunkStore(config(tmp_path / "s", "files")) as store:
+        buf = store.buffer(tuple(kv.shape), kv.dtype)
+        buf.copy_(kv)
+        assert store.put(b"\x01" * 32, buf, namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+        assert store.put(b"\x02" * 32, kv.clone(), namespace_id=bytes(16), token_start=0, num_tokens=CHUNK)
+        assert store.flush(60)
+        record = store.backend.lookup(b"\x01" * 32).size
+        assert record > 2 * 8192
+        assert sorted(writes)[-1] == -(-record // 4096) * 4096  # the record in place: one write
+        assert len(writes) == 1 + -(-record // 8192)  # the staged one: a write per segment
+        for key in (b"\x01" * 32, b"\x02" * 32):
+            assert same_bits(store.get(key), kv)

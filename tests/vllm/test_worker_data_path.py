@@ -722,6 +722,35 @@ def test_the_writer_interference_benchmark_runs(tmp_path: Path) -> None:
     assert "| 1 | --against | writing" in res.stdout and "(lmdb)" in res.stdout
 
 
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="Linux counts sleeps per thread")
+def test_the_writer_benchmark_counts_the_model_threads_waits_for_the_gil() -> None:
+    """What ``hook_host_bench --writer`` reports rests on this: the loop's thread's sleeps
+    for the GIL are counted. With another thread running Python all the while, the two
+    take turns at the GIL: each asks it of the other after the switch interval (5 ms), so
+    over 100 ms the loop waits, for a good part of that time."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import hook_host_bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=busy)
+    spinner.start()
+    try:
+        end = time.perf_counter() + 0.1
+        m = hook_host_bench.op_loop(lambda ops: time.perf_counter() > end)
+    finally:
+        stop.set()
+        spinner.join()
+    assert m["ops"] >= hook_host_bench.OPS_PER_CHECK and m["loop_ms"] >= 80  # (its own set-up after `end`)
+    assert m["gil_waits"] > 0 and m["gil_wait_ms"] > 0.2 * m["loop_ms"], m
+
+
 def test_a_step_reads_no_index_and_skips_what_is_stored_or_queued(tmp_path: Path) -> None:
     """The model's thread never reads the index (a cold page waits for the disk): a chunk is
     skipped because the scheduler's lookup found it stored, or because this process has it
