@@ -22,12 +22,12 @@
 # host (the GIL; no device work; into log.txt, no file of its own); store: storage_bench.py on that disk; storage-tests:
 # tests/storage with CUDA visible. On an H100 (2026-11-26) tests took 25-40 s and the
 # benchmark about 45 s per content layout; store and storage-tests take minutes. With a
-# short lease run tests and gpu first, in one command.
+# short lease run tests and gpu first, in one command. tests/vllm/test_gpu_check.py runs the
+# parts on the CPU (WRITER_ARGS: extra flags for the writer part), so CI finds a broken script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-all}"
 out="${OUT:-gpu-results}"
-mkdir -p "$out"
 python="${PYTHON:-python3}"
 
 # kvtier's own dependencies, from the carried wheels where the machine lacks them (into a
@@ -39,6 +39,7 @@ if ! "$python" -c "import lmdb, zstandard, xxhash" 2>/dev/null; then
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$out"
 log="$out/log.txt"  # the benchmarks' progress and errors (appended: one file for every part run)
 "$python" - <<'PY' | tee -a "$log"
 import platform, torch
@@ -64,7 +65,9 @@ if [[ "$part" == gpu || "$part" == all ]]; then
 fi
 if [[ "$part" == writer || "$part" == all ]]; then
   for backend in files lmdb; do
-    timeout 180 "$python" benchmarks/hook_host_bench.py --writer --rounds 3 --backend "$backend" 2>&1 | tee -a "$log" \
+    # WRITER_ARGS: extra flags, e.g. "--chunks 2 --rounds 1" for a quick check of this script
+    # shellcheck disable=SC2086
+    timeout 180 "$python" benchmarks/hook_host_bench.py --writer --rounds 3 --backend "$backend" ${WRITER_ARGS:-} 2>&1 | tee -a "$log" \
       || echo "hook_host_bench --writer --backend $backend failed or timed out: see $log" >&2
   done
 fi
