@@ -30,6 +30,9 @@ import numpy as np
 import torch
 
 from kvtier.anon_memory import anonymous_map
+from kvtier.errors import ConfigError
+from kvtier.host_memory import available_bytes
+from kvtier.units import format_size
 
 _PAGE = 4096
 # Tensors handed to a caller at least this large get a memory map of their own (``ResultMemory``).
@@ -150,7 +153,7 @@ class BufferPool:
                 return 0
             self._slots += count
             size = self.slot_bytes
-        slots = self._make(count, size)
+        slots = self._make(count, size, reserving=True)
         with self._lock:
             self._free.extend(slots)
         return count
@@ -183,16 +186,27 @@ class BufferPool:
             self._free.clear()
             self._slots = 0
             self.chunk_bytes = nbytes
-            self.slot_bytes = -(-nbytes // _PAGE) * _PAGE + _PAGE
+            self.slot_bytes = _slot_bytes(nbytes)
 
-    def _make(self, count: int, size: int) -> list[np.ndarray]:
+    def _make(self, count: int, size: int, *, reserving: bool = False) -> list[np.ndarray]:
         """``count`` slots of ``size`` bytes, cut from as few allocations as can hold them
         (:func:`arena_pieces`); the caller has counted them in ``_slots`` (under the lock,
-        with the cap), and gets that back on failure."""
+        with the cap), and gets that back on failure. ``reserving`` (:meth:`reserve`, all
+        at once): refused with a ``ConfigError`` where the host has not that much memory left,
+        and an allocation that fails is one too."""
         slots: list[np.ndarray] = []
+        pieces = arena_pieces(count, size, pinned=self.pin)
         try:
-            for nbytes, n in arena_pieces(count, size, pinned=self.pin):
-                arena = self._new_arena(nbytes, n * size)
+            if reserving:
+                self._check_room(sum(nbytes for nbytes, _ in pieces), count, size)
+            for nbytes, n in pieces:
+                try:
+                    arena = self._new_arena(nbytes, n * size)
+                except RuntimeError as exc:  # (PyTorch's for a failed host or pinned allocation)
+                    if not reserving:
+                        raise
+                    raise ConfigError(self._too_much(sum(b for b, _ in pieces), count, size,
+                                                     f"allocating {format_size(nbytes)} failed: {exc}")) from exc
                 slots.extend(arena[i * size : (i + 1) * size] for i in range(n))
         except BaseException:
             with self._lock:
@@ -200,6 +214,30 @@ class BufferPool:
             raise
         self.created += count
         return slots
+
+    def check_room(self, chunk_bytes: int) -> None:
+        """Raise a ``ConfigError`` if the host cannot hold the whole cap in chunks of
+        ``chunk_bytes`` (what :meth:`reserve` would refuse), allocating nothing: the vLLM
+        connector asks when it starts, before vLLM keeps hold of it."""
+        size, count = _slot_bytes(chunk_bytes), self.cap_bytes // chunk_bytes
+        self._check_room(sum(nbytes for nbytes, _ in arena_pieces(count, size, pinned=self.pin)), count, size)
+
+    def _check_room(self, need: int, count: int, size: int) -> None:
+        """Refuse a reservation of ``need`` bytes that the host cannot hold (see
+        :mod:`kvtier.host_memory`): touching it would bring the OOM killer, not an error."""
+        room = available_bytes()
+        if room is not None and need > room:
+            raise ConfigError(self._too_much(need, count, size, f"this process can take {format_size(room)} of "
+                                             "host memory now (what the kernel counts as available, within "
+                                             "the container's memory limit)"))
+
+    def _too_much(self, need: int, count: int, size: int, why: str) -> str:
+        pinned = " (pinned)" if self.pin else ""
+        return (f"kvtier cannot reserve its chunk buffers: host_bytes + write_queue_bytes (and "
+                f"remote_queue_bytes with a remote tier), {format_size(self.cap_bytes)}, make {count} "
+                f"buffers of {format_size(size)}, {format_size(need)} in all{pinned}, and {why}. Lower "
+                f"host_bytes or write_queue_bytes: every worker process (each tensor-parallel rank) "
+                f"reserves its own")
 
     def _new_arena(self, nbytes: int, used: int) -> np.ndarray:
         """``used`` bytes from the first page of a new allocation of ``nbytes`` (at least a
@@ -239,6 +277,12 @@ def arena_pieces(count: int, size: int, *, pinned: bool) -> list[tuple[int, int]
         out.append((nbytes, n))
         left -= n
     return out
+
+
+def _slot_bytes(chunk_bytes: int) -> int:
+    """A slot for chunks of ``chunk_bytes``: in whole pages, and one more (room for a record's
+    header before the chunk)."""
+    return -(-chunk_bytes // _PAGE) * _PAGE + _PAGE
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

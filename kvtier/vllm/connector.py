@@ -199,6 +199,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             else:  # (a worker may fail where its scheduler did not: say so there too)
                 self._disable_worker(str(exc))
         except (KVTierError, OSError):
+            self._close_store()
             raise  # the user's settings or store path: they must see it and fix it
         except IdentityUnavailable as exc:
             self._close_store()
@@ -242,6 +243,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._view = StoreView(self.settings.cache)
         else:
             self._store = ChunkStore(self.settings.cache)
+            # the worker reserves every chunk buffer when its KV caches come: refused here if
+            # the host cannot hold them, because vLLM keeps a connector that started (another
+            # engine in this process would get this one back, settings and all)
+            self._store.pool.check_room(chunk_bytes)
         fingerprints = self.settings.cache.path / "fingerprints.json"
         self._fingerprint = model_fingerprint(vllm_config, self.settings.weights_fingerprint, fingerprints)
         if role == KVConnectorRole.SCHEDULER:

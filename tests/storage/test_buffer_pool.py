@@ -16,6 +16,7 @@ from kvhelpers import CHUNK, make_kv, open_cache, same_bits, tokens
 
 from kvtier.backends import files
 from kvtier.buffer_pool import BufferPool
+from kvtier.errors import ConfigError
 
 SHAPE = (2, 2, CHUNK, 4, 32)
 CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # bf16
@@ -241,3 +242,44 @@ def test_a_lingering_io_thread_keeps_no_chunk_buffer(tmp_path: Path, monkeypatch
         stats = cache.stats()
     # the 2 chunks whose writes failed are dropped (and counted); every later save is kept
     assert stats["dropped_saves"] == 2 and stats["disk_records"] == 6
+
+
+def _meminfo_bytes(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/meminfo")
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the host's memory is read from Linux's /proc")
+def test_a_reservation_the_host_cannot_hold_is_refused_before_anything_is_allocated() -> None:
+    """A worker's pool of twice the machine's memory and swap: refused with what to change,
+    before any allocation (which the kernel may let through, and then kill the process that
+    touches it); the pool has made no slot and still counts none."""
+    too_much = 2 * (_meminfo_bytes("MemTotal") + _meminfo_bytes("SwapTotal"))
+    pool = BufferPool(too_much, pin=False)
+    with pytest.raises(ConfigError) as err:
+        pool.reserve((1 << 30,), torch.uint8)  # (1 GiB chunks)
+    msg = str(err.value)
+    assert "can take" in msg and "Lower host_bytes or write_queue_bytes" in msg, msg
+    assert pool.created == 0 and pool.allocated_bytes == 0
+
+
+def test_a_reservation_whose_allocation_fails_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the allocation itself fails (cudaHostAlloc refusing to pin, which only a GPU
+    machine can do for real; here PyTorch's error stands in for it): a ConfigError with the
+    allocator's own words and what to change, and the slots it counted given back. A lazy
+    allocation (a library cache, one slot at a time) keeps PyTorch's error."""
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    pool = BufferPool(40 << 20, pin=True)
+    with pytest.raises(ConfigError, match="allocating 32.0 MiB failed: CUDA error: out of memory") as err:
+        pool.reserve((1 << 20,), torch.uint8)
+    assert "Lower host_bytes" in str(err.value) and "in all (pinned)" in str(err.value)
+    assert pool.allocated_bytes == 0 and pool.created == 0
+    lazy = BufferPool(40 << 20, pin=True)
+    with pytest.raises(RuntimeError, match="out of memory") as err:
+        lazy.acquire((1 << 20,), torch.uint8)
+    assert not isinstance(err.value, ConfigError) and lazy.allocated_bytes == 0

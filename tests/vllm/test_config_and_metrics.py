@@ -12,6 +12,21 @@ from kvtier.vllm.stats import KVTierStats
 from kvtier.vllm.worker_side import WorkerSide
 
 
+def _twice_this_machine() -> int:
+    """Twice the memory and swap of this machine (Linux), in bytes."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return 2 * sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
+
+
+def _messages(exc: BaseException | None) -> list[str]:
+    """The messages of ``exc`` and of what it chains (vLLM may wrap our ConfigError)."""
+    chain: list[str] = []
+    while exc is not None:
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
 @pytest.mark.parametrize(("extra", "needle"), [
     ({"disk_byte": "1G"}, "did you mean 'disk_bytes'"),
     ({"chunk_tokens": 100}, "chunk_tokens: 100 must be a multiple of vLLM's block_size (32)"),
@@ -27,11 +42,29 @@ def test_bad_option_stops_startup_with_clear_message(tiny_model: Path, store_dir
                                                      extra: dict[str, object], needle: str) -> None:
     with pytest.raises(Exception) as info:
         Engine(tiny_model, kv_transfer_config(store_dir, **extra))
-    chain, exc = [], info.value
-    while exc is not None:  # vLLM may wrap our ConfigError
-        chain.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
+    chain = _messages(info.value)
     assert any(needle in m for m in chain), chain
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the host's memory is read from Linux's /proc")
+def test_buffers_beyond_the_hosts_memory_stop_startup_and_a_retry_in_the_same_process_serves(
+        tiny_model: Path, store_dir: Path) -> None:
+    """host_bytes beyond the machine: the worker, which reserves every chunk buffer when it
+    starts, stops start-up saying what to lower, before touching any (the kernel would kill
+    it part-way). It refuses while vLLM builds it: a connector that started, vLLM keeps for
+    the process, and an engine started again in the same process (a notebook, a script
+    that retries) would get the refused one back. Here the retry, with the budgets lowered,
+    serves and saves."""
+    with pytest.raises(Exception) as info:
+        Engine(tiny_model, kv_transfer_config(store_dir, host_bytes=_twice_this_machine()))
+    chain = _messages(info.value)
+    assert any("cannot reserve its chunk buffers" in m and "Lower host_bytes" in m for m in chain), chain
+    with Engine(tiny_model, kv_transfer_config(store_dir)) as e:
+        e.generate([tokens(600, seed=201)], max_tokens=2)
+        store = e.worker_connector._store
+        assert store.pool.cap_bytes == 256 << 20  # (this engine's budgets: 128 MiB + 128 MiB)
+        store.flush()
+        assert store.counters.snapshot()["saves_committed"] >= 2
 
 
 def test_stats_reach_vllm(tiny_model: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,6 +118,26 @@ def test_a_steps_saves_reach_the_writer_together(tmp_path: Path, offline: bool) 
         worker.close()
 
 
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the host's memory is read from Linux's /proc")
+def test_a_worker_whose_buffers_the_host_cannot_hold_does_not_start(tmp_path: Path) -> None:
+    """host_bytes beyond the machine's memory: the worker (which reserves every buffer when
+    it starts) refuses to start, saying which settings to lower, instead of being killed by
+    the kernel while it touches them; the store it was given stays usable."""
+    from kvtier.errors import ConfigError
+
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    machine = sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=2 * machine)
+    with ChunkStore(cfg) as store:
+        with pytest.raises(ConfigError, match="cannot reserve its chunk buffers.*Lower host_bytes"):
+            make_worker(store, G, "kv_last", "cpu")
+        assert store.pool.allocated_bytes == 0
+        chunk = torch.ones((G.layers, 2, G.chunk_tokens, G.kv_heads, G.head_dim), dtype=G.dtype)
+        assert store.put(b"k" * 32, chunk, namespace_id=bytes(16), token_start=0, num_tokens=G.chunk_tokens)
+        store.flush()
+        assert store.counters.snapshot()["saves_committed"] == 1
+
+
 def test_the_device_stage_is_sized_by_device_stage_bytes_and_never_below_a_chunk(tmp_path: Path) -> None:
     """``device_stage_bytes`` (connector setting) sizes the worker's stage; unset, it holds
     BATCH_BYTES of a batch per layer slot and scratch; too small, what one chunk's every
