@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 import weakref
 from collections import deque
@@ -202,12 +203,14 @@ class BufferPool:
             for nbytes, n in pieces:
                 try:
                     arena = self._new_arena(nbytes, n * size)
-                except RuntimeError as exc:  # (PyTorch's for a failed host or pinned allocation)
-                    if not reserving:
+                except RuntimeError as exc:
+                    if not reserving or not _out_of_memory(exc):
                         raise
+                    slots.clear()  # (the pieces made so far: not kept by the error's frames)
                     raise ConfigError(self._too_much(sum(b for b, _ in pieces), count, size,
                                                      f"allocating {format_size(nbytes)} failed: {exc}")) from exc
                 slots.extend(arena[i * size : (i + 1) * size] for i in range(n))
+                del arena
         except BaseException:
             with self._lock:
                 self._slots -= count
@@ -215,29 +218,25 @@ class BufferPool:
         self.created += count
         return slots
 
-    def check_room(self, chunk_bytes: int) -> None:
-        """Raise a ``ConfigError`` if the host cannot hold the whole cap in chunks of
-        ``chunk_bytes`` (what :meth:`reserve` would refuse), allocating nothing: the vLLM
-        connector asks when it starts, before vLLM keeps hold of it."""
-        size, count = _slot_bytes(chunk_bytes), self.cap_bytes // chunk_bytes
-        self._check_room(sum(nbytes for nbytes, _ in arena_pieces(count, size, pinned=self.pin)), count, size)
-
     def _check_room(self, need: int, count: int, size: int) -> None:
         """Refuse a reservation of ``need`` bytes that the host cannot hold (see
         :mod:`kvtier.host_memory`): touching it would bring the OOM killer, not an error."""
+        if os.environ.get("KVTIER_HOST_MEMORY_CHECK", "").strip().lower() == "off":
+            return  # (a host that can free more than it says: the user's call)
         room = available_bytes()
         if room is not None and need > room:
             raise ConfigError(self._too_much(need, count, size, f"this process can take {format_size(room)} of "
                                              "host memory now (what the kernel counts as available, within "
-                                             "the container's memory limit)"))
+                                             "the container's memory limit; if the host can free more, "
+                                             "KVTIER_HOST_MEMORY_CHECK=off skips this check)"))
 
     def _too_much(self, need: int, count: int, size: int, why: str) -> str:
         pinned = " (pinned)" if self.pin else ""
         return (f"kvtier cannot reserve its chunk buffers: host_bytes + write_queue_bytes (and "
                 f"remote_queue_bytes with a remote tier), {format_size(self.cap_bytes)}, make {count} "
                 f"buffers of {format_size(size)}, {format_size(need)} in all{pinned}, and {why}. Lower "
-                f"host_bytes or write_queue_bytes: every worker process (each tensor-parallel rank) "
-                f"reserves its own")
+                f"host_bytes, write_queue_bytes or remote_queue_bytes: every worker process (each "
+                f"tensor-parallel rank) reserves its own")
 
     def _new_arena(self, nbytes: int, used: int) -> np.ndarray:
         """``used`` bytes from the first page of a new allocation of ``nbytes`` (at least a
@@ -277,6 +276,13 @@ def arena_pieces(count: int, size: int, *, pinned: bool) -> list[tuple[int, int]
         out.append((nbytes, n))
         left -= n
     return out
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """Whether PyTorch's error says an allocation found no memory (pageable: "can't allocate
+    memory"; pinned: "out of memory"), not some other failure (CUDA not initialized...)."""
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "allocate memory" in text
 
 
 def _slot_bytes(chunk_bytes: int) -> int:

@@ -1,12 +1,14 @@
 """How much host memory this process can still take: what the kernel counts as available
-(``MemAvailable``), and no more than its container's memory limit leaves (cgroup v2 or v1).
+(``MemAvailable``, plus what ZFS's cache would give back, which it leaves out), and no more
+than its container's memory limit leaves (cgroup v2 or v1).
 
 A serving worker reserves all its chunk buffers when it starts (``BufferPool.reserve``) and
 touches every page. Asking for more than is there does not fail cleanly: the kernel lets the
 allocation through and the OOM killer ends the process (or a neighbour) part-way through the
 touching, with nothing said about why. So the pool asks here first, and refuses with a
-message. Every figure is read fresh (other processes come and go); one that cannot be read
-is left out, and with none the answer is None (unknown: not Linux).
+message. Every figure is read fresh (other processes come and go). A figure that cannot be
+read is left out, never guessed low: a wrong refusal stops a server that would have run.
+With none, the answer is None (unknown: not Linux).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ _NO_LIMIT = 1 << 60
 
 
 def available_bytes(proc: Path = Path("/proc"), cgroup_fs: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The least of ``MemAvailable`` and the room left under each memory limit of this
-    process's cgroup and its ancestors; None if none of them can be read."""
-    figures = [_mem_available(proc / "meminfo"), *(_room(d) for d in _cgroup_dirs(proc, cgroup_fs))]
+    """The least of the host's available memory and the room left under each memory limit
+    of this process's cgroup and its ancestors; None if none of them can be read."""
+    host = _mem_available(proc / "meminfo")
+    if host is not None:
+        host += _zfs_arc_reclaimable(proc / "spl" / "kstat" / "zfs" / "arcstats")
+    figures = [host, *(_room(d) for d in _cgroup_dirs(proc, cgroup_fs))]
     known = [f for f in figures if f is not None]
     return min(known) if known else None
 
@@ -35,6 +40,17 @@ def _mem_available(meminfo: Path) -> int | None:
     return None
 
 
+def _zfs_arc_reclaimable(arcstats: Path) -> int:
+    """What ZFS's cache (the ARC) would shrink by under memory pressure: its size above its
+    floor. ``MemAvailable`` counts none of it, though it gives it back like the page cache
+    (up to half the RAM, by default)."""
+    try:
+        stats = _table(arcstats.read_text(), value_at=2)
+        return max(0, stats["size"] - stats["c_min"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def _cgroup_dirs(proc: Path, cgroup_fs: Path) -> list[Path]:
     """This process's memory cgroup directories, itself first, then each ancestor up to the
     mount's root (a limit set on any of them applies). In a container the path the kernel
@@ -47,7 +63,7 @@ def _cgroup_dirs(proc: Path, cgroup_fs: Path) -> list[Path]:
     dirs: list[Path] = []
     for line in lines:
         parts = line.split(":", 2)
-        if len(parts) != 3:
+        if len(parts) != 3 or ".." in parts[2].split("/"):  # (outside this namespace's root)
             continue
         if parts[0] == "0" and parts[1] == "":  # cgroup v2 (the unified hierarchy)
             root = cgroup_fs
@@ -57,8 +73,11 @@ def _cgroup_dirs(proc: Path, cgroup_fs: Path) -> list[Path]:
             continue
         d = root / parts[2].lstrip("/")
         while True:
-            if d.is_dir() and d not in dirs:
-                dirs.append(d)
+            try:
+                if d.is_dir() and d not in dirs:
+                    dirs.append(d)
+            except OSError:  # (a directory this process may not look into: left out)
+                pass
             if d == root or root not in d.parents:
                 break
             d = d.parent
@@ -67,13 +86,13 @@ def _cgroup_dirs(proc: Path, cgroup_fs: Path) -> list[Path]:
 
 def _room(d: Path) -> int | None:
     """What the memory limit of cgroup ``d`` leaves: the limit less what its processes use,
-    their page cache not counted (the kernel reclaims it before it kills); None if ``d`` has
-    no limit or its files cannot be read."""
-    v2 = (d / "memory.max").exists()
-    limit_file, usage_file, cache_keys = (("memory.max", "memory.current", ("file",)) if v2 else
-                                          ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                           ("total_cache", "cache")))
+    less what the kernel reclaims before it kills (page cache, but not shared memory, which
+    it cannot drop; v2 also counts reclaimable kernel caches); None if ``d`` has no limit or
+    its files cannot be read."""
     try:
+        v2 = (d / "memory.max").exists()
+        limit_file, usage_file = (("memory.max", "memory.current") if v2 else
+                                  ("memory.limit_in_bytes", "memory.usage_in_bytes"))
         raw = (d / limit_file).read_text().strip()
         if raw == "max" or int(raw) >= _NO_LIMIT:
             return None
@@ -81,8 +100,23 @@ def _room(d: Path) -> int | None:
     except (OSError, ValueError):
         return None
     try:
-        stat = dict(line.split()[:2] for line in (d / "memory.stat").read_text().splitlines() if " " in line)
-        cache = next((int(stat[k]) for k in cache_keys if k in stat), 0)
+        stat = _table((d / "memory.stat").read_text(), value_at=1)
     except (OSError, ValueError):  # (then all of the usage counts)
-        cache = 0
-    return max(0, limit - max(0, usage - cache))
+        stat = {}
+    if v2:
+        reclaimable = stat.get("file", 0) - stat.get("shmem", 0) + stat.get("slab_reclaimable", 0)
+    else:  # (the hierarchy's totals where the kernel gives them)
+        reclaimable = (stat.get("total_cache", stat.get("cache", 0))
+                       - stat.get("total_shmem", stat.get("shmem", 0)))
+    return max(0, limit - max(0, usage - max(0, reclaimable)))
+
+
+def _table(text: str, *, value_at: int) -> dict[str, int]:
+    """``name ... value`` lines (the value in column ``value_at``) as a dict; lines whose
+    value is not a number (headers) are left out."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        cols = line.split()
+        if len(cols) > value_at and cols[value_at].isdigit():
+            out[cols[0]] = int(cols[value_at])
+    return out

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.errors import ConfigError, KVTierError, StoreDamaged, StoreFull
 from kvtier.store import ChunkStore
 from kvtier.store_view import StoreView
-from kvtier.vllm.compat import startup_problem
+from kvtier.vllm.compat import release_from_vllm, startup_problem
 from kvtier.vllm.identity import IdentityUnavailable, LoraFingerprints, model_fingerprint
 from kvtier.vllm.layout import BACKEND_CONTENT, UnsupportedLayout, probe_cpu_layout
 from kvtier.vllm.metadata import KVTierMetadata
@@ -243,10 +243,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._view = StoreView(self.settings.cache)
         else:
             self._store = ChunkStore(self.settings.cache)
-            # the worker reserves every chunk buffer when its KV caches come: refused here if
-            # the host cannot hold them, because vLLM keeps a connector that started (another
-            # engine in this process would get this one back, settings and all)
-            self._store.pool.check_room(chunk_bytes)
         fingerprints = self.settings.cache.path / "fingerprints.json"
         self._fingerprint = model_fingerprint(vllm_config, self.settings.weights_fingerprint, fingerprints)
         if role == KVConnectorRole.SCHEDULER:
@@ -326,6 +322,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         except UnsupportedLayout as exc:
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return
+        except KVTierError:  # e.g. chunk buffers the host cannot hold: start-up stops
+            self.shutdown()
+            release_from_vllm(self)
+            raise
         if not self._worker.layer_hooks:
             log.info("kvtier: vLLM splits forward passes into micro-batches: each step's saves are "
                      "copied after its forward pass")

@@ -251,27 +251,42 @@ def _meminfo_bytes(field: str) -> int:
     raise AssertionError(f"no {field} in /proc/meminfo")
 
 
+def _no_allocation(self: BufferPool, nbytes: int, used: int) -> None:
+    raise AssertionError(f"allocated {nbytes} bytes: the check let it through")
+
+
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the host's memory is read from Linux's /proc")
-def test_a_reservation_the_host_cannot_hold_is_refused_before_anything_is_allocated() -> None:
+def test_a_reservation_the_host_cannot_hold_is_refused_before_anything_is_allocated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker's pool of twice the machine's memory and swap: refused with what to change,
     before any allocation (which the kernel may let through, and then kill the process that
-    touches it); the pool has made no slot and still counts none."""
+    touches it; here an allocation fails the test instead); the pool has made no slot and
+    still counts none. ``KVTIER_HOST_MEMORY_CHECK=off`` (a host that can free more than it
+    says) skips the check."""
+    monkeypatch.setattr(BufferPool, "_new_arena", _no_allocation)
     too_much = 2 * (_meminfo_bytes("MemTotal") + _meminfo_bytes("SwapTotal"))
     pool = BufferPool(too_much, pin=False)
     with pytest.raises(ConfigError) as err:
         pool.reserve((1 << 30,), torch.uint8)  # (1 GiB chunks)
     msg = str(err.value)
-    assert "can take" in msg and "Lower host_bytes or write_queue_bytes" in msg, msg
+    assert "can take" in msg and "Lower host_bytes, write_queue_bytes or remote_queue_bytes" in msg, msg
+    assert "KVTIER_HOST_MEMORY_CHECK=off" in msg
     assert pool.created == 0 and pool.allocated_bytes == 0
+    monkeypatch.setenv("KVTIER_HOST_MEMORY_CHECK", "off")
+    with pytest.raises(AssertionError, match="the check let it through"):
+        BufferPool(too_much, pin=False).reserve((1 << 30,), torch.uint8)
 
 
 def test_a_reservation_whose_allocation_fails_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the allocation itself fails (cudaHostAlloc refusing to pin, which only a GPU
     machine can do for real; here PyTorch's error stands in for it): a ConfigError with the
     allocator's own words and what to change, and the slots it counted given back. A lazy
-    allocation (a library cache, one slot at a time) keeps PyTorch's error."""
+    allocation (a library cache, one slot at a time) keeps PyTorch's error, and so does a
+    failure that is not for lack of memory."""
+    error = "CUDA error: out of memory"
+
     def refuse(*args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("CUDA error: out of memory")
+        raise RuntimeError(error)
 
     monkeypatch.setattr(torch, "empty", refuse)
     pool = BufferPool(40 << 20, pin=True)
@@ -283,3 +298,7 @@ def test_a_reservation_whose_allocation_fails_says_what_to_change(monkeypatch: p
     with pytest.raises(RuntimeError, match="out of memory") as err:
         lazy.acquire((1 << 20,), torch.uint8)
     assert not isinstance(err.value, ConfigError) and lazy.allocated_bytes == 0
+    error = "Cannot re-initialize CUDA in forked subprocess"
+    with pytest.raises(RuntimeError, match="re-initialize") as err:
+        BufferPool(40 << 20, pin=True).reserve((1 << 20,), torch.uint8)
+    assert not isinstance(err.value, ConfigError)

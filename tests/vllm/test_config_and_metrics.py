@@ -51,11 +51,18 @@ def test_buffers_beyond_the_hosts_memory_stop_startup_and_a_retry_in_the_same_pr
         tiny_model: Path, store_dir: Path) -> None:
     """host_bytes beyond the machine: the worker, which reserves every chunk buffer when it
     starts, stops start-up saying what to lower, before touching any (the kernel would kill
-    it part-way). It refuses while vLLM builds it: a connector that started, vLLM keeps for
-    the process, and an engine started again in the same process (a notebook, a script
-    that retries) would get the refused one back. Here the retry, with the budgets lowered,
-    serves and saves."""
-    with pytest.raises(Exception) as info:
+    it part-way; here an allocation fails the test instead). vLLM keeps a connector it built
+    for the whole process, and does not let go of it when start-up fails: the refused one
+    lets go itself, or an engine started again in the same process (a notebook, a script
+    that retries) would get it back, settings and all. Here the retry, with the budgets
+    lowered, serves and saves."""
+    from kvtier.buffer_pool import BufferPool
+
+    def no_allocation(*args: object) -> None:
+        raise AssertionError("the worker allocated its buffers: the check let them through")
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(Exception) as info:
+        mp.setattr(BufferPool, "_new_arena", no_allocation)
         Engine(tiny_model, kv_transfer_config(store_dir, host_bytes=_twice_this_machine()))
     chain = _messages(info.value)
     assert any("cannot reserve its chunk buffers" in m and "Lower host_bytes" in m for m in chain), chain

@@ -122,14 +122,21 @@ def test_a_steps_saves_reach_the_writer_together(tmp_path: Path, offline: bool) 
 def test_a_worker_whose_buffers_the_host_cannot_hold_does_not_start(tmp_path: Path) -> None:
     """host_bytes beyond the machine's memory: the worker (which reserves every buffer when
     it starts) refuses to start, saying which settings to lower, instead of being killed by
-    the kernel while it touches them; the store it was given stays usable."""
+    the kernel while it touches them (here an allocation fails the test instead); the store
+    it was given stays usable."""
+    from kvtier.buffer_pool import BufferPool
     from kvtier.errors import ConfigError
+
+    def no_allocation(*args: object) -> None:
+        raise AssertionError("the worker allocated its buffers: the check let them through")
 
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     machine = sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
     cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=2 * machine)
     with ChunkStore(cfg) as store:
-        with pytest.raises(ConfigError, match="cannot reserve its chunk buffers.*Lower host_bytes"):
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(ConfigError,
+                                                               match="cannot reserve its chunk buffers.*Lower host_bytes"):
+            mp.setattr(BufferPool, "_new_arena", no_allocation)
             make_worker(store, G, "kv_last", "cpu")
         assert store.pool.allocated_bytes == 0
         chunk = torch.ones((G.layers, 2, G.chunk_tokens, G.kv_heads, G.head_dim), dtype=G.dtype)
