@@ -35,7 +35,9 @@ python="${PYTHON:-python3}"
 if ! "$python" -c "import lmdb, zstandard, xxhash" 2>/dev/null; then
   [[ -d .gpu-wheels ]] || { echo "lmdb/zstandard/xxhash missing and no .gpu-wheels/: run scripts/gpu-wheels.sh first" >&2; exit 2; }
   site="${TMPDIR:-/tmp}/kvtier-gpu-site"
-  "$python" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" .gpu-wheels/*.whl
+  # (by name: pip takes the wheels that fit this Python, of those carried for several)
+  "$python" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" \
+    --find-links .gpu-wheels lmdb zstandard xxhash
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

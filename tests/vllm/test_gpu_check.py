@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,3 +60,39 @@ def test_the_gpu_check_script_says_what_to_do_when_kvtiers_dependencies_are_miss
     assert res.returncode == 2
     assert "run scripts/gpu-wheels.sh first" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _wheel(folder: Path, name: str, tag: str, module: str) -> None:
+    """A minimal wheel of a one-module package ``name``, tagged ``tag``."""
+    info = f"{name}-1.0.dist-info"
+    files = {f"{name}.py": module,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: kvtier-tests\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-1.0-{tag}.whl", "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+
+
+def test_the_gpu_check_script_installs_the_carried_wheels_that_fit_its_python(tmp_path: Path) -> None:
+    """``.gpu-wheels/`` carries kvtier's dependencies for several Python versions (the GPU
+    machine's is not known in advance): the script installs, into a folder of its own, the
+    ones that fit the Python it runs, and is not stopped by the others."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, tree / "scripts" / "gpu-check.sh")
+    wheels = tree / ".gpu-wheels"
+    wheels.mkdir()
+    for name in ("lmdb", "zstandard", "xxhash"):
+        _wheel(wheels, name, "py3-none-any", "CARRIED = True\n")
+        _wheel(wheels, name, "cp30-cp30-manylinux2014_x86_64", "raise ImportError('the wrong wheel')\n")
+    blocker = tmp_path / "blocker"  # (lmdb cannot be imported)
+    blocker.mkdir()
+    (blocker / "lmdb.py").write_text("raise ImportError('no lmdb on this machine')\n")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), "PYTHON": sys.executable,
+           "PYTHONPATH": str(blocker)}
+    res = _run("none", env, tree / "scripts" / "gpu-check.sh")  # (no part: the set-up only)
+    assert res.returncode == 0, res.stderr[-2000:]
+    site = tmp_path / "kvtier-gpu-site"
+    assert all((site / f"{name}.py").read_text() == "CARRIED = True\n" for name in ("lmdb", "zstandard", "xxhash"))
+    assert "results in" in res.stdout
