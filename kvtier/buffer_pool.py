@@ -197,9 +197,10 @@ class BufferPool:
         and an allocation that fails is one too."""
         slots: list[np.ndarray] = []
         pieces = arena_pieces(count, size, pinned=self.pin)
+        need = sum(nbytes for nbytes, _ in pieces)
         try:
             if reserving:
-                self._check_room(sum(nbytes for nbytes, _ in pieces), count, size)
+                self._check_room(need, count, size)
             for nbytes, n in pieces:
                 try:
                     arena = self._new_arena(nbytes, n * size)
@@ -207,7 +208,7 @@ class BufferPool:
                     if not reserving or not _out_of_memory(exc):
                         raise
                     slots.clear()  # (the pieces made so far: not kept by the error's frames)
-                    raise ConfigError(self._too_much(sum(b for b, _ in pieces), count, size,
+                    raise ConfigError(self._too_much(need, count, size,
                                                      f"allocating {format_size(nbytes)} failed: {exc}")) from exc
                 slots.extend(arena[i * size : (i + 1) * size] for i in range(n))
                 del arena

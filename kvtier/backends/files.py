@@ -121,9 +121,7 @@ class FilePayloads(PayloadStore):
         prepared by someone else may hold symlinks): kvtier never reads or removes a file
         outside it. (The file itself is opened with ``O_NOFOLLOW``.)"""
         path = self._record_path(key, location)
-        shard = os.path.dirname(path)
-        for d in (os.path.dirname(shard), shard):  # the two shard levels kvtier created
-            _refuse_link(d, os.lstat(d), path)
+        self._shard_dirs(path, create=False)
         return path
 
     def found(self) -> Iterator[tuple[bytes, int]]:
@@ -143,8 +141,9 @@ class FilePayloads(PayloadStore):
 
     def remove_found(self, key: bytes, location: int) -> None:
         with contextlib.suppress(OSError):
-            _unlink_quiet(self._inside(key, location))
-            self._remove_empty({os.path.dirname(self._record_path(key, location))})
+            path = self._inside(key, location)
+            _unlink_quiet(path)
+            self._remove_empty({os.path.dirname(path)})
 
     def _remove_dead_temps(self) -> None:
         """Delete temp files of writers that no longer run (a killed writer's leftovers): of
@@ -289,10 +288,9 @@ class FilePayloads(PayloadStore):
 
     def _rename_into(self, tmp: str, key: bytes, location: int) -> set[str]:
         path = self._record_path(key, location)
-        shard = os.path.dirname(path)
-        changed = self._make_dirs(shard)  # (and refuses links, as _inside does)
+        changed = self._shard_dirs(path, create=True)
         os.replace(tmp, path)
-        return changed | {shard}
+        return changed | {os.path.dirname(path)}
 
     def _remove_empty(self, shards: set[str]) -> None:
         """Remove shard directories that removals emptied, and their parent level if that
@@ -305,22 +303,25 @@ class FilePayloads(PayloadStore):
                 except OSError:  # not empty (a record, or a writer's), or gone already
                     break
 
-    def _make_dirs(self, shard: str) -> set[str]:
-        """Create a shard directory and its parent level where missing, owner-only
-        (``mkdir(parents=True)`` would create the parent with default permissions), refusing
-        either if it is a link (see :meth:`_inside`); return the directories that gained an
-        entry. One ``lstat`` per level where they exist (each system call takes the GIL
-        again on the way out)."""
+    def _shard_dirs(self, record: str, *, create: bool) -> set[str]:
+        """Check the two shard levels kvtier made for ``record`` with one ``lstat`` each (each
+        system call takes the GIL again on the way out), refusing a link (see
+        :meth:`_inside`); with ``create``, make those missing, owner-only
+        (``mkdir(parents=True)`` would give the parent default permissions), else a missing
+        one raises ``FileNotFoundError``. The directories that gained an entry."""
         changed: set[str] = set()
+        shard = os.path.dirname(record)
         for d in (os.path.dirname(shard), shard):
             try:
-                _refuse_link(d, os.lstat(d), shard)
+                _refuse_link(d, os.lstat(d), record)
             except FileNotFoundError:
+                if not create:
+                    raise
                 try:
                     os.mkdir(d, 0o700)
                     changed.add(os.path.dirname(d))
                 except FileExistsError:  # (another writer made it meanwhile)
-                    _refuse_link(d, os.lstat(d), shard)
+                    _refuse_link(d, os.lstat(d), record)
         return changed
 
     def _fsync_dirs(self, dirs: set[str]) -> None:
@@ -336,8 +337,9 @@ class FilePayloads(PayloadStore):
         emptied: set[str] = set()
         for e in entries:
             try:
-                os.unlink(self._inside(e.key, e.location))
-                emptied.add(os.path.dirname(self._record_path(e.key, e.location)))
+                path = self._inside(e.key, e.location)
+                os.unlink(path)
+                emptied.add(os.path.dirname(path))
             except FileNotFoundError:
                 pass
             except OSError:
@@ -365,14 +367,15 @@ class FilePayloads(PayloadStore):
     def read_record(self, entry: EntryInfo, fn: Callable[[RecordReader], T]) -> T | None:
         """The record through a reader on its open file: the payload is read straight into
         the caller's buffer (one copy out of the page cache), not staged first."""
+        path = self._inside(entry.key, entry.location)
         try:
-            fd = open_regular_file(self._inside(entry.key, entry.location))
+            fd = open_regular_file(path)
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss
         try:
             if self.direct_reads:  # the header's read must not read ahead what O_DIRECT will read
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            return fn(_FileReader(fd, self._buf, self.max_record_bytes, self, self._inside(entry.key, entry.location)))
+            return fn(_FileReader(fd, self._buf, self.max_record_bytes, self, path))
         finally:
             os.close(fd)
 

@@ -21,18 +21,20 @@ TESTED_RANGE = f"{TESTED_VLLM[0][0]}.{TESTED_VLLM[0][1]}-{TESTED_VLLM[1][0]}.{TE
 UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
 
-def release_from_vllm(connector: Any) -> None:
+def release_from_vllm(connector: Any) -> bool:
     """Have vLLM let go of ``connector``, its process-wide KV transfer agent, when a worker's
     start-up fails after building it: vLLM does not, and another engine started in the same
     process (a notebook, a script that retries with other settings) would get the failed one
-    back, its settings and store included."""
+    back, its settings and store included. Whether vLLM held it (and so shut it down)."""
     try:
         from vllm.distributed.kv_transfer import kv_transfer_state as state
 
         if state.has_kv_transfer_group() and state.get_kv_transfer_group() is connector:
             state.ensure_kv_transfer_shutdown()  # (calls the connector's shutdown, then forgets it)
+            return True
     except (ImportError, AttributeError):  # (a vLLM that keeps it elsewhere: nothing to do here)
         pass
+    return False
 
 
 def parse_version(text: str) -> tuple[int, int] | None:

@@ -323,8 +323,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._disable_worker(f"unexpected KV tensor layout ({exc})")
             return
         except KVTierError:  # e.g. chunk buffers the host cannot hold: start-up stops
-            self.shutdown()
-            release_from_vllm(self)
+            if not release_from_vllm(self):
+                self.shutdown()
             raise
         if not self._worker.layer_hooks:
             log.info("kvtier: vLLM splits forward passes into micro-batches: each step's saves are "

@@ -7,7 +7,9 @@ from __future__ import annotations
 import errno
 import gc
 import time
+from collections.abc import Callable
 from concurrent.futures import thread
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -244,37 +246,24 @@ def test_a_lingering_io_thread_keeps_no_chunk_buffer(tmp_path: Path, monkeypatch
     assert stats["dropped_saves"] == 2 and stats["disk_records"] == 6
 
 
-def _meminfo_bytes(field: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/meminfo")
-
-
-def _no_allocation(self: BufferPool, nbytes: int, used: int) -> None:
-    raise AssertionError(f"allocated {nbytes} bytes: the check let it through")
-
-
-@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the host's memory is read from Linux's /proc")
 def test_a_reservation_the_host_cannot_hold_is_refused_before_anything_is_allocated(
+        beyond_this_machine: int, forbid_pool_allocations: Callable[[], AbstractContextManager[None]],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker's pool of twice the machine's memory and swap: refused with what to change,
     before any allocation (which the kernel may let through, and then kill the process that
     touches it; here an allocation fails the test instead); the pool has made no slot and
     still counts none. ``KVTIER_HOST_MEMORY_CHECK=off`` (a host that can free more than it
     says) skips the check."""
-    monkeypatch.setattr(BufferPool, "_new_arena", _no_allocation)
-    too_much = 2 * (_meminfo_bytes("MemTotal") + _meminfo_bytes("SwapTotal"))
-    pool = BufferPool(too_much, pin=False)
-    with pytest.raises(ConfigError) as err:
+    pool = BufferPool(beyond_this_machine, pin=False)
+    with forbid_pool_allocations(), pytest.raises(ConfigError) as err:
         pool.reserve((1 << 30,), torch.uint8)  # (1 GiB chunks)
     msg = str(err.value)
     assert "can take" in msg and "Lower host_bytes, write_queue_bytes or remote_queue_bytes" in msg, msg
     assert "KVTIER_HOST_MEMORY_CHECK=off" in msg
     assert pool.created == 0 and pool.allocated_bytes == 0
     monkeypatch.setenv("KVTIER_HOST_MEMORY_CHECK", "off")
-    with pytest.raises(AssertionError, match="the check let it through"):
-        BufferPool(too_much, pin=False).reserve((1 << 30,), torch.uint8)
+    with forbid_pool_allocations(), pytest.raises(AssertionError, match="the check let it through"):
+        BufferPool(beyond_this_machine, pin=False).reserve((1 << 30,), torch.uint8)
 
 
 def test_a_reservation_whose_allocation_fails_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,7 @@ drops saves (counted) and never blocks the caller."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -284,17 +285,17 @@ def test_shard_directories_emptied_by_removals_are_removed(tmp_path: Path) -> No
         assert sorted(p.name for p in data.iterdir()) == ["tmp"], "emptied shard directories were left"
 
         payloads = b.payloads
-        make_dirs = payloads._make_dirs
+        shard_dirs = payloads._shard_dirs
         raced = []
 
-        def make_then_lose(shard: str) -> set[str]:  # another process empties and removes it
-            changed = make_dirs(shard)
-            if not raced:
-                raced.append(shard)
-                payloads._remove_empty({shard})
+        def make_then_lose(record: str, *, create: bool) -> set[str]:  # another process empties and removes it
+            changed = shard_dirs(record, create=create)
+            if create and not raced:
+                raced.append(record)
+                payloads._remove_empty({os.path.dirname(record)})
             return changed
 
-        payloads._make_dirs = make_then_lose
+        payloads._shard_dirs = make_then_lose
         toks = _seq("B", 0)
         cache.save(toks, make_kv(toks))
         assert cache.flush(30)

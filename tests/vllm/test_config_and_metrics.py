@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -10,12 +12,6 @@ from enginehelpers import tokens
 from kvtier.testing.engine import Engine, kv_transfer_config
 from kvtier.vllm.stats import KVTierStats
 from kvtier.vllm.worker_side import WorkerSide
-
-
-def _twice_this_machine() -> int:
-    """Twice the memory and swap of this machine (Linux), in bytes."""
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return 2 * sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
 
 
 def _messages(exc: BaseException | None) -> list[str]:
@@ -46,9 +42,9 @@ def test_bad_option_stops_startup_with_clear_message(tiny_model: Path, store_dir
     assert any(needle in m for m in chain), chain
 
 
-@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the host's memory is read from Linux's /proc")
 def test_buffers_beyond_the_hosts_memory_stop_startup_and_a_retry_in_the_same_process_serves(
-        tiny_model: Path, store_dir: Path) -> None:
+        tiny_model: Path, store_dir: Path, beyond_this_machine: int,
+        forbid_pool_allocations: Callable[[], AbstractContextManager[None]]) -> None:
     """host_bytes beyond the machine: the worker, which reserves every chunk buffer when it
     starts, stops start-up saying what to lower, before touching any (the kernel would kill
     it part-way; here an allocation fails the test instead). vLLM keeps a connector it built
@@ -56,14 +52,8 @@ def test_buffers_beyond_the_hosts_memory_stop_startup_and_a_retry_in_the_same_pr
     lets go itself, or an engine started again in the same process (a notebook, a script
     that retries) would get it back, settings and all. Here the retry, with the budgets
     lowered, serves and saves."""
-    from kvtier.buffer_pool import BufferPool
-
-    def no_allocation(*args: object) -> None:
-        raise AssertionError("the worker allocated its buffers: the check let them through")
-
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(Exception) as info:
-        mp.setattr(BufferPool, "_new_arena", no_allocation)
-        Engine(tiny_model, kv_transfer_config(store_dir, host_bytes=_twice_this_machine()))
+    with forbid_pool_allocations(), pytest.raises(Exception) as info:
+        Engine(tiny_model, kv_transfer_config(store_dir, host_bytes=beyond_this_machine))
     chain = _messages(info.value)
     assert any("cannot reserve its chunk buffers" in m and "Lower host_bytes" in m for m in chain), chain
     with Engine(tiny_model, kv_transfer_config(store_dir)) as e:

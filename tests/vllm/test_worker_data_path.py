@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -118,25 +120,18 @@ def test_a_steps_saves_reach_the_writer_together(tmp_path: Path, offline: bool) 
         worker.close()
 
 
-@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the host's memory is read from Linux's /proc")
-def test_a_worker_whose_buffers_the_host_cannot_hold_does_not_start(tmp_path: Path) -> None:
+def test_a_worker_whose_buffers_the_host_cannot_hold_does_not_start(
+        tmp_path: Path, beyond_this_machine: int,
+        forbid_pool_allocations: Callable[[], AbstractContextManager[None]]) -> None:
     """host_bytes beyond the machine's memory: the worker (which reserves every buffer when
     it starts) refuses to start, saying which settings to lower, instead of being killed by
     the kernel while it touches them (here an allocation fails the test instead); the store
     it was given stays usable."""
-    from kvtier.buffer_pool import BufferPool
     from kvtier.errors import ConfigError
 
-    def no_allocation(*args: object) -> None:
-        raise AssertionError("the worker allocated its buffers: the check let them through")
-
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    machine = sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
-    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=2 * machine)
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=G.chunk_tokens, host_bytes=beyond_this_machine)
     with ChunkStore(cfg) as store:
-        with pytest.MonkeyPatch.context() as mp, pytest.raises(ConfigError,
-                                                               match="cannot reserve its chunk buffers.*Lower host_bytes"):
-            mp.setattr(BufferPool, "_new_arena", no_allocation)
+        with forbid_pool_allocations(), pytest.raises(ConfigError, match="cannot reserve its chunk buffers.*Lower host_bytes"):
             make_worker(store, G, "kv_last", "cpu")
         assert store.pool.allocated_bytes == 0
         chunk = torch.ones((G.layers, 2, G.chunk_tokens, G.kv_heads, G.head_dim), dtype=G.dtype)
