@@ -18,6 +18,7 @@ counted, never allocated.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -32,7 +33,7 @@ import torch
 
 from kvtier.anon_memory import anonymous_map
 from kvtier.errors import ConfigError
-from kvtier.host_memory import available_bytes
+from kvtier.host_claims import MemoryShort, claim
 from kvtier.units import format_size
 
 _PAGE = 4096
@@ -199,19 +200,20 @@ class BufferPool:
         pieces = arena_pieces(count, size, pinned=self.pin)
         need = sum(nbytes for nbytes, _ in pieces)
         try:
-            if reserving:
-                self._check_room(need, count, size)
-            for nbytes, n in pieces:
-                try:
-                    arena = self._new_arena(nbytes, n * size)
-                except RuntimeError as exc:
-                    if not reserving or not _out_of_memory(exc):
-                        raise
-                    slots.clear()  # (the pieces made so far: not kept by the error's frames)
-                    raise ConfigError(self._too_much(need, count, size,
-                                                     f"allocating {format_size(nbytes)} failed: {exc}")) from exc
-                slots.extend(arena[i * size : (i + 1) * size] for i in range(n))
-                del arena
+            with contextlib.ExitStack() as claimed:
+                if reserving:
+                    self._claim_room(claimed, need, count, size)
+                for nbytes, n in pieces:
+                    try:
+                        arena = self._new_arena(nbytes, n * size)
+                    except RuntimeError as exc:
+                        if not reserving or not _out_of_memory(exc):
+                            raise
+                        slots.clear()  # (the pieces made so far: not kept by the error's frames)
+                        raise ConfigError(self._too_much(need, count, size,
+                                                         f"allocating {format_size(nbytes)} failed: {exc}")) from exc
+                    slots.extend(arena[i * size : (i + 1) * size] for i in range(n))
+                    del arena
         except BaseException:
             with self._lock:
                 self._slots -= count
@@ -219,17 +221,21 @@ class BufferPool:
         self.created += count
         return slots
 
-    def _check_room(self, need: int, count: int, size: int) -> None:
-        """Refuse a reservation of ``need`` bytes that the host cannot hold (see
-        :mod:`kvtier.host_memory`): touching it would bring the OOM killer, not an error."""
+    def _claim_room(self, claimed: contextlib.ExitStack, need: int, count: int, size: int) -> None:
+        """Claim ``need`` bytes of host memory until ``claimed`` closes, or refuse a reservation
+        the host cannot hold (see :mod:`kvtier.host_claims`): touching it would bring the OOM
+        killer, not an error."""
         if os.environ.get("KVTIER_HOST_MEMORY_CHECK", "").strip().lower() == "off":
             return  # (a host that can free more than it says: the user's call)
-        room = available_bytes()
-        if room is not None and need > room:
-            raise ConfigError(self._too_much(need, count, size, f"this process can take {format_size(room)} of "
-                                             "host memory now (what the kernel counts as available, within "
-                                             "the container's memory limit; if the host can free more, "
-                                             "KVTIER_HOST_MEMORY_CHECK=off skips this check)"))
+        try:
+            claimed.enter_context(claim(need))
+        except MemoryShort as short:
+            others = (f", less what {short.pending} other kvtier worker(s) on this host are reserving "
+                      "at the same time" if short.pending else "")
+            raise ConfigError(self._too_much(need, count, size, (
+                f"this process can take {format_size(short.room)} of host memory now (what the kernel "
+                f"counts as available, within the container's memory limit{others}; if the host can "
+                "free more, KVTIER_HOST_MEMORY_CHECK=off skips this check)"))) from None
 
     def _too_much(self, need: int, count: int, size: int, why: str) -> str:
         pinned = " (pinned)" if self.pin else ""
