@@ -25,8 +25,9 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,41 +59,53 @@ class _Claim(NamedTuple):
 
 
 @contextlib.contextmanager
-def claim(need: int, available: Callable[[], int | None] = available_bytes) -> Iterator[None]:
+def claim(need: int) -> Iterator[None]:
     """Claim ``need`` bytes of host memory for as long as the block allocates them; raises
     :class:`MemoryShort` (nothing claimed) if the room left, after the claims of other
     processes still allocating, is less. Nothing is refused where the room is unknown."""
     fd = _open_ledger()
-    if fd is None:
-        room = available()
-        if room is not None and need > room:
-            raise MemoryShort(room, 0)
-        yield
-        return
+    mine = None
     try:
-        with _locked(fd):
-            claims = _live(_read(fd))
-            room = available()
-            pending = [c.after for c in claims]
-            known = [f for f in (room, *pending) if f is not None]
-            if not known:  # (nothing to check against, nothing to record)
-                _write(fd, claims)
-                mine = None
-            else:
-                least = min(known)
-                if need > least:
-                    _write(fd, claims)
-                    raise MemoryShort(least, len(claims))
-                mine = _Claim(os.getpid(), _started(os.getpid()) or "?", secrets.token_hex(8), least - need)
-                _write(fd, [*claims, mine])
-        try:
-            yield
-        finally:
-            if mine is not None:
-                with _locked(fd):
-                    _write(fd, [c for c in _live(_read(fd)) if c.token != mine.token])
+        if fd is not None:
+            try:
+                mine = _record(fd, need)
+            except OSError as exc:  # (/dev/shm full, say: the ledger is a help, not a condition)
+                log.debug("kvtier: the host-memory ledger failed (%s): the reservation is checked on its own", exc)
+                os.close(fd)
+                fd = None
+        if fd is None:
+            room = available_bytes()
+            if room is not None and need > room:
+                raise MemoryShort(room, 0)
+        yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            if mine is not None:
+                try:
+                    with _locked(fd):
+                        _write(fd, [c for c in _live(_read(fd)) if c.token != mine.token])
+                except OSError as exc:  # (left for the next reader to drop once this process is gone)
+                    log.debug("kvtier: could not take a claim out of the host-memory ledger (%s)", exc)
+            os.close(fd)
+
+
+def _record(fd: int, need: int) -> _Claim | None:
+    """(Under the ledger's lock.) Add this process's claim of ``need`` bytes, dropping the
+    claims of processes that are gone; raises :class:`MemoryShort` where it does not fit.
+    None where there is nothing to check against (nothing recorded)."""
+    with _locked(fd):
+        claims = _live(_read(fd))
+        known = [f for f in (available_bytes(), *(c.after for c in claims)) if f is not None]
+        mine = None
+        if known:
+            least = min(known)
+            if need > least:
+                _write(fd, claims)
+                raise MemoryShort(least, len(claims))
+            mine = _Claim(os.getpid(), _started(os.getpid()) or "?", secrets.token_hex(8), least - need)
+            claims.append(mine)
+        _write(fd, claims)
+        return mine
 
 
 def ledger_path() -> Path:
@@ -106,15 +119,30 @@ def ledger_path() -> Path:
 
 
 def _open_ledger() -> int | None:
+    """The ledger, opened for reading and writing; None where it cannot be used. It lives in
+    a directory every user may write to, so a link or anything but a plain file found at its
+    name is not followed or used (it could point the rewrite at another file), and one another
+    user made is opened as it is (the kernel may refuse to create over it there)."""
     path = ledger_path()
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    except OSError as exc:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:  # (another worker made it just now)
+                fd = os.open(path, flags)
+            else:
+                with contextlib.suppress(OSError):  # (every user's workers share it; umask would narrow it)
+                    os.fchmod(fd, 0o666)
+    except OSError as exc:  # (a link, a read-only directory, another user's file not shared)
         log.debug("kvtier: no host-memory ledger at %s (%s): the reservation is checked on its own", path, exc)
         return None
-    with contextlib.suppress(OSError):  # (every user's workers share it; umask would narrow it)
-        if os.fstat(fd).st_uid == os.geteuid():
-            os.fchmod(fd, 0o666)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        log.debug("kvtier: %s is not a plain file: the reservation is checked on its own", path)
+        return None
     return fd
 
 

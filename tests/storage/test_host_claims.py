@@ -8,6 +8,7 @@ allocates nothing, so these tests claim most of the machine without touching it.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -170,3 +171,37 @@ def test_a_pool_that_fits_alone_is_refused_while_another_worker_reserves(
     _end(other)
     with forbid_pool_allocations(), pytest.raises(AssertionError, match="the check let it through"):
         BufferPool(room * 6 // 10, pin=False).reserve((64 << 20,), torch.uint8)
+
+
+def test_a_link_or_a_pipe_at_the_ledgers_name_is_not_used(ledger: Path, room: int) -> None:
+    """The ledger lives where every user may write: a link planted at its name is not
+    followed (the rewrite would empty the file it points to), nor is a named pipe opened (a
+    read would hang); the reservation is then checked on its own."""
+    victim = ledger.parent / "victim"
+    victim.write_text("precious\n")
+    ledger.symlink_to(victim)
+    with pytest.raises(MemoryShort) as short, claim(room * 2):
+        pass
+    assert short.value.pending == 0
+    with claim(room // 10):
+        pass
+    assert victim.read_text() == "precious\n"
+    ledger.unlink()
+    os.mkfifo(ledger)
+    with claim(room // 10):
+        pass
+
+
+def test_a_ledger_that_cannot_be_written_leaves_the_check_on_its_own(
+        ledger: Path, room: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/dev/shm`` full (injected: a write that fails with ENOSPC): the ledger is a help to
+    the check, not a condition of starting: the reservation is checked on its own."""
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with claim(room // 10):
+        pass
+    with pytest.raises(MemoryShort) as short, claim(room * 2):
+        pass
+    assert short.value.pending == 0
