@@ -167,6 +167,8 @@ class BufferPool:
             self._closed = True
             self._free.clear()
             self._slots = 0
+        if self.pin:
+            release_pinned_cache()
 
     def _take(self, nbytes: int) -> np.ndarray | None:
         with self._lock:
@@ -217,6 +219,9 @@ class BufferPool:
         except BaseException:
             with self._lock:
                 self._slots -= count
+            if reserving and self.pin:
+                slots.clear()
+                release_pinned_cache()  # (the pieces made before the failure, pinned for nothing)
             raise
         self.created += count
         return slots
@@ -283,6 +288,23 @@ def arena_pieces(count: int, size: int, *, pinned: bool) -> list[tuple[int, int]
         out.append((nbytes, n))
         left -= n
     return out
+
+
+def release_pinned_cache() -> None:
+    """Give the pinned memory nothing uses back to the system. PyTorch keeps a freed pinned
+    allocation in its cache for the next one of that size class, so without this a closed
+    pool's allocations (a whole ``host_bytes``), or the pieces a refused reservation made
+    before it failed, stay pinned for the life of the process: a retry with smaller budgets
+    in the same process could not use them. (Frees every unused pinned allocation of the
+    process, which the next pinned allocation pays for again: only when a pool closes or its
+    reservation fails, never on a step.)"""
+    if not torch.cuda.is_initialized():  # (nothing was pinned; and the call raises without a device)
+        return
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:  # (PyTorch before 2.9)
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _out_of_memory(exc: RuntimeError) -> bool:

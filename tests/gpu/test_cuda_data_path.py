@@ -293,3 +293,43 @@ def test_cuda_blocks_move_as_16_byte_elements_bit_for_bit(content: str) -> None:
     moved = sorted(b for ids in chunks for b in ids)
     assert torch.equal(restored[moved].view(torch.int16), kv[moved].view(torch.int16))
     assert not restored[[b for b in range(64) if b not in moved]].view(torch.int16).any()
+
+
+def test_cuda_a_closed_or_refused_pool_unpins_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch keeps freed pinned allocations in its cache: a closed pool's memory, and the
+    pieces a reservation pinned before it failed, are given back to the system (a retry with
+    smaller budgets in the same process could not have used them)."""
+    import gc
+
+    from kvtier.buffer_pool import BufferPool, release_pinned_cache
+    from kvtier.errors import ConfigError
+
+    torch.cuda.init()
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        pytest.skip("this PyTorch has no pinned-memory statistics")
+
+    def pinned() -> int:
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+    release_pinned_cache()
+    base = pinned()
+    pool = BufferPool(64 << 20, pin=True)
+    assert pool.reserve((1 << 20,), torch.uint8) > 0
+    assert pinned() >= base + (64 << 20)
+    pool.close()
+    del pool
+    gc.collect()
+    assert pinned() <= base
+
+    real, calls = BufferPool._new_arena, []
+
+    def second_fails(self: BufferPool, nbytes: int, used: int) -> object:
+        calls.append(nbytes)
+        if len(calls) > 1:
+            raise RuntimeError("CUDA error: out of memory")
+        return real(self, nbytes, used)
+
+    monkeypatch.setattr(BufferPool, "_new_arena", second_fails)
+    with pytest.raises(ConfigError, match="allocating"):
+        BufferPool(40 << 20, pin=True).reserve((1 << 20,), torch.uint8)
+    assert len(calls) == 2 and pinned() <= base
