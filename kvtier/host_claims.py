@@ -1,32 +1,43 @@
 """Claims on host memory by workers that reserve their chunk buffers at the same time.
 
-Each tensor-parallel rank of a server (and each server on a host) reserves its own pool when
-it starts, and they start together. Checked one by one against what the kernel counts as
-available (:mod:`kvtier.host_memory`), eight ranks would each see the memory before the
-others have touched theirs, and each pass a check that only the first should: then the OOM
-killer settles it. So a reservation first claims its bytes in a small ledger that every
-process on the host reads, and the room a new claim sees is the least of what is available
-now and what each claim still being allocated will leave once it is done (a claim records
-that figure when it is made). The ledger's lock is held only to read and rewrite it, never
-while allocating: reservations still touch their pages in parallel.
+Each tensor-parallel rank of a server reserves its own pool when it starts, and the ranks
+start together. Checked one by one against what the kernel counts as available
+(:mod:`kvtier.host_memory`), eight ranks would each see the memory before the others have
+touched theirs, and each pass a check that only some should: then the OOM killer settles it.
+So a reservation first claims its bytes in a small ledger that the other processes read, and
+the room a new claim sees is the least of what is available now and what each claim in the
+ledger said it would leave (``after``, recorded when it was made). The ledger's lock is held
+only to read and rewrite it, never while allocating: reservations still touch their pages in
+parallel.
+
+A claim that is done stays in the ledger, marked done, until every claim made before it is
+done too: its ``after`` is what still accounts for an earlier claim that has not touched its
+pages yet (once all before it are done, everything it stood for is in ``MemAvailable``). A
+claim whose process is gone (killed part-way) is dropped by the next reader: its memory went
+with it. The ``after`` figures are snapshots: memory freed meanwhile is seen once the claims
+before it are done (an error towards refusing, with a message that says so).
 
 The ledger is a file in ``/dev/shm`` (the ranks of a server share it: vLLM passes their
 messages through it), else in the temporary directory, or in the directory
-``KVTIER_HOST_MEMORY_LEDGER`` names; processes that share the host's memory must see the
-same one. A claim goes when its reservation ends, however it ends; a claim whose process is
-gone (killed part-way) is ignored and dropped by the next reader. Where the ledger cannot
-be opened, a reservation is checked on its own, as before.
+``KVTIER_HOST_MEMORY_LEDGER`` names. Only processes that can tell whether each other is alive
+(one PID namespace) and whose room is the same figure (the same cgroups) share a ledger: its
+name holds both. It is a help to the check, never a condition of starting: where it cannot be
+used (a link or a pipe at its name, a directory that cannot be written, a lock held for
+seconds, content too large), a reservation is checked on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
+import re
 import secrets
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -37,6 +48,9 @@ log = logging.getLogger(__name__)
 
 LEDGER_ENV = "KVTIER_HOST_MEMORY_LEDGER"
 LEDGER_NAME = "kvtier-host-memory-claims"
+LOCK_WAIT_S = 10.0  # (the lock is held for a read and a rewrite: microseconds, unless someone holds it on purpose)
+_MAX_LEDGER_BYTES = 1 << 20  # (a few claims: a larger file is not ours to trust)
+_LINE = re.compile(r"(\d{1,10}) (\d{1,20}|\?) ([0-9a-f]{16}) (\d{1,20}) (run|done)")
 
 
 class MemoryShort(Exception):
@@ -44,33 +58,37 @@ class MemoryShort(Exception):
 
     def __init__(self, room: int, pending: int) -> None:
         super().__init__(f"{room} bytes of room")
-        self.room = room  # bytes, after the claims being allocated
-        self.pending = pending  # claims of other processes being allocated now
+        self.room = room  # bytes, after the claims in the ledger
+        self.pending = pending  # claims of other reservations still allocating
 
 
 class _Claim(NamedTuple):
     pid: int
     started: str  # the process's start time (a pid reused by another process is not it)
     token: str
-    after: int  # bytes of room the host has left once this claim is allocated
+    after: int  # bytes of room the host has left once this claim (and those before it) are allocated
+    done: bool
 
     def line(self) -> str:
-        return f"{self.pid} {self.started} {self.token} {self.after}\n"
+        return f"{self.pid} {self.started} {self.token} {self.after} {'done' if self.done else 'run'}\n"
 
 
 @contextlib.contextmanager
 def claim(need: int) -> Iterator[None]:
     """Claim ``need`` bytes of host memory for as long as the block allocates them; raises
     :class:`MemoryShort` (nothing claimed) if the room left, after the claims of other
-    processes still allocating, is less. Nothing is refused where the room is unknown."""
+    reservations, is less. Nothing is refused where the room is unknown."""
     fd = _open_ledger()
     mine = None
     try:
         if fd is not None:
             try:
                 mine = _record(fd, need)
-            except OSError as exc:  # (/dev/shm full, say: the ledger is a help, not a condition)
-                log.debug("kvtier: the host-memory ledger failed (%s): the reservation is checked on its own", exc)
+            except MemoryShort:
+                raise
+            except Exception as exc:  # (the ledger is a help, not a condition: /dev/shm full, garbage)
+                log.warning("kvtier: the host-memory ledger %s cannot be used (%s): this reservation is "
+                            "checked on its own", ledger_path(), exc)
                 os.close(fd)
                 fd = None
         if fd is None:
@@ -79,43 +97,73 @@ def claim(need: int) -> Iterator[None]:
                 raise MemoryShort(room, 0)
         yield
     finally:
-        if fd is not None:
-            if mine is not None:
-                try:
-                    with _locked(fd):
-                        _write(fd, [c for c in _live(_read(fd)) if c.token != mine.token])
-                except OSError as exc:  # (left for the next reader to drop once this process is gone)
-                    log.debug("kvtier: could not take a claim out of the host-memory ledger (%s)", exc)
-            os.close(fd)
+        try:
+            if fd is not None and mine is not None and mine.pid == os.getpid():  # (not in a forked child)
+                _finish(fd, mine)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def ledger_path() -> Path:
+    """This process's ledger (see the module's docstring)."""
+    named = os.environ.get(LEDGER_ENV, "").strip()
+    if named:
+        base = Path(named)
+    else:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"{LEDGER_NAME}-{_memory_domain()}"
+
+
+def _memory_domain() -> str:
+    """What the processes sharing a ledger have in common: the PID namespace (whose pids
+    they can check) and the cgroups (whose limits their room is measured within)."""
+    h = hashlib.sha256()
+    for read in (lambda: str(os.stat("/proc/self/ns/pid").st_ino).encode(),
+                 lambda: Path("/proc/self/cgroup").read_bytes()):
+        try:
+            h.update(read())
+        except OSError:
+            h.update(b"-")
+        h.update(b"\0")
+    return h.hexdigest()[:16]
 
 
 def _record(fd: int, need: int) -> _Claim | None:
-    """(Under the ledger's lock.) Add this process's claim of ``need`` bytes, dropping the
-    claims of processes that are gone; raises :class:`MemoryShort` where it does not fit.
-    None where there is nothing to check against (nothing recorded)."""
+    """Add this process's claim of ``need`` bytes (tidying the ledger); raises
+    :class:`MemoryShort` where it does not fit. None where there is nothing to check
+    against (nothing recorded)."""
     with _locked(fd):
-        claims = _live(_read(fd))
+        claims = _tidy(_read(fd))
         known = [f for f in (available_bytes(), *(c.after for c in claims)) if f is not None]
         mine = None
         if known:
             least = min(known)
             if need > least:
                 _write(fd, claims)
-                raise MemoryShort(least, len(claims))
-            mine = _Claim(os.getpid(), _started(os.getpid()) or "?", secrets.token_hex(8), least - need)
+                raise MemoryShort(least, sum(not c.done for c in claims))
+            mine = _Claim(os.getpid(), _started(os.getpid()) or "?", secrets.token_hex(8), least - need, False)
             claims.append(mine)
         _write(fd, claims)
         return mine
 
 
-def ledger_path() -> Path:
-    """Where this host's claims are kept (see the module's docstring)."""
-    named = os.environ.get(LEDGER_ENV, "").strip()
-    if named:
-        return Path(named) / LEDGER_NAME
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / LEDGER_NAME
+def _finish(fd: int, mine: _Claim) -> None:
+    """Mark this process's claim done (see the module's docstring)."""
+    try:
+        with _locked(fd):
+            _write(fd, _tidy([c._replace(done=True) if c.token == mine.token else c for c in _read(fd)]))
+    except Exception as exc:  # (left running: it counts until this process is gone)
+        log.warning("kvtier: could not mark a claim done in the host-memory ledger %s (%s)", ledger_path(), exc)
+
+
+def _tidy(claims: list[_Claim]) -> list[_Claim]:
+    """Drop the claims of processes that are gone, then the done claims no running claim is
+    before: both are in ``MemAvailable`` now (what a killed process had taken is free)."""
+    kept = [c for c in claims if c.done or _is_alive(c)]
+    first_running = next((i for i, c in enumerate(kept) if not c.done), len(kept))
+    return kept[first_running:]
 
 
 def _open_ledger() -> int | None:
@@ -141,14 +189,22 @@ def _open_ledger() -> int | None:
         return None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        log.debug("kvtier: %s is not a plain file: the reservation is checked on its own", path)
+        log.warning("kvtier: %s is not a plain file: the reservation is checked on its own", path)
         return None
     return fd
 
 
 @contextlib.contextmanager
 def _locked(fd: int) -> Iterator[None]:
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"its lock was held for over {LOCK_WAIT_S:.0f} s") from None
+            time.sleep(0.005)
     try:
         yield
     finally:
@@ -156,33 +212,34 @@ def _locked(fd: int) -> Iterator[None]:
 
 
 def _read(fd: int) -> list[_Claim]:
+    size = os.fstat(fd).st_size
+    if size > _MAX_LEDGER_BYTES:
+        raise ValueError(f"it holds {size} bytes, more than any ledger kvtier writes")
     data = b""
-    while chunk := os.pread(fd, 1 << 16, len(data)):
-        data += chunk
+    while len(data) < size and (piece := os.pread(fd, size - len(data), len(data))):
+        data += piece
     out = []
     for line in data.decode("ascii", "replace").splitlines():
-        parts = line.split()
-        # (a line cut short by a process killed while writing: left out)
-        if len(parts) == 4 and parts[0].isdigit() and parts[3].lstrip("-").isdigit():
-            out.append(_Claim(int(parts[0]), parts[1], parts[2], int(parts[3])))
+        m = _LINE.fullmatch(line)  # (a line cut short by a process killed while writing: left out)
+        if m:
+            out.append(_Claim(int(m[1]), m[2], m[3], int(m[4]), m[5] == "done"))
     return out
 
 
 def _write(fd: int, claims: list[_Claim]) -> None:
+    """Rewrite the ledger: the new content first, then cut what is left of the old (a write
+    that fails leaves the claims as they were, not an empty ledger)."""
     data = "".join(c.line() for c in claims).encode("ascii")
-    os.ftruncate(fd, 0)
-    if data:
-        os.pwrite(fd, data, 0)
+    at = 0
+    while at < len(data):
+        at += os.pwrite(fd, data[at:], at)
+    os.ftruncate(fd, len(data))
 
 
-def _live(claims: list[_Claim]) -> list[_Claim]:
-    """The claims whose process is still the one that made them."""
-    out = []
-    for c in claims:
-        now = _started(c.pid)
-        if now is not None and (now == c.started or "?" in (now, c.started)):
-            out.append(c)
-    return out
+def _is_alive(c: _Claim) -> bool:
+    """Whether the process that made claim ``c`` is still running."""
+    now = _started(c.pid)
+    return now is not None and (now == c.started or "?" in (now, c.started))
 
 
 def _started(pid: int) -> str | None:
@@ -197,8 +254,10 @@ def _started(pid: int) -> str | None:
             pass
         return "?"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        # (state is field 3, start time field 22; the name before them may hold spaces, or
+        # bytes that are not UTF-8)
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        state, started = fields[0], fields[19].decode("ascii")
+    except (OSError, IndexError, ValueError):
         return None
-    # (state is field 3, start time field 22; the name before them may hold spaces)
-    return None if fields[0] in ("Z", "X") else fields[19]
+    return None if state in (b"Z", b"X") else started
