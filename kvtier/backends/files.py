@@ -367,8 +367,8 @@ class FilePayloads(PayloadStore):
     def read_record(self, entry: EntryInfo, fn: Callable[[RecordReader], T]) -> T | None:
         """The record through a reader on its open file: the payload is read straight into
         the caller's buffer (one copy out of the page cache), not staged first."""
-        path = self._inside(entry.key, entry.location)
         try:
+            path = self._inside(entry.key, entry.location)  # (its shard levels may be gone too)
             fd = open_regular_file(path)
         except FileNotFoundError:
             return None  # evicted by another process after the index was read: a miss

@@ -5,6 +5,7 @@ transaction on the ``records`` database; files-backend records by editing the .k
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,6 +128,26 @@ def test_a_payload_removed_behind_the_stores_back_is_dropped_and_saved_again(tmp
         assert cache.flush(30)
     with open_cache(store, backend, host_bytes=0) as cache:
         assert same_bits(cache.load(TOKS), make_kv(TOKS))
+
+
+def test_a_record_whose_shard_directories_went_with_it_is_a_missing_payload_not_an_io_error(
+        tmp_path: Path) -> None:
+    """Another process's eviction removes a record's file and then the shard directories it
+    emptied, while this one still has the record's index entry: the load finds it gone (as
+    if only the file had gone), never an I/O error (found by three processes evicting from
+    one store; the check of the shard levels was outside the read's ``FileNotFoundError``)."""
+    store = tmp_path / "s"
+    with open_cache(store, "files") as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        second = cache.chunks(TOKS)[1].key
+    record = _record_file(store, second)
+    shutil.rmtree(record.parent.parent)  # (both shard levels, and any record sharing them)
+    with open_cache(store, "files", host_bytes=0) as cache:
+        got = cache.load(TOKS)
+        assert got.shape[2] <= CHUNK
+        st = cache.store.counters.snapshot()
+        assert st["missing_payloads"] >= 1 and st["io_errors"] == 0 and st["corrupt_records"] == 0, st
 
 
 def _flip(rec: bytes, pos: int, bit: int = 0) -> bytes:
