@@ -187,9 +187,10 @@ def _open_ledger() -> int | None:
     except OSError as exc:  # (a link, a read-only directory, another user's file not shared)
         log.debug("kvtier: no host-memory ledger at %s (%s): the reservation is checked on its own", path, exc)
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # (a hard link: another file's name)
         os.close(fd)
-        log.warning("kvtier: %s is not a plain file: the reservation is checked on its own", path)
+        log.warning("kvtier: %s is not a plain file of its own: the reservation is checked on its own", path)
         return None
     return fd
 

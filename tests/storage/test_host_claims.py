@@ -220,7 +220,7 @@ def test_a_ledger_that_cannot_be_used_leaves_the_check_on_its_own(
         ledger: Path, room: int, claimant: Claimant, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """The ledger is a help to the check, never a condition of starting, nor a way to hang
-    a worker: a link at its name (not followed: its target is untouched), a named pipe, its
+    a worker: a link at its name (not followed: its target is untouched), a hard link, a named pipe, its
     lock held by someone else, a file larger than any ledger, a rewrite that fails
     (``/dev/shm`` full, injected; the claims recorded before stay as they were): each time
     the reservation is checked on its own, and the reason is logged."""
@@ -239,6 +239,11 @@ def test_a_ledger_that_cannot_be_used_leaves_the_check_on_its_own(
     on_its_own()
     assert victim.read_text() == "precious\n"
     ledger.unlink()
+    os.link(victim, ledger)
+    on_its_own()
+    assert victim.read_text() == "precious\n" and "is not a plain file of its own" in caplog.text
+    ledger.unlink()
+    caplog.clear()
     os.mkfifo(ledger)
     on_its_own()
     assert "is not a plain file" in caplog.text
