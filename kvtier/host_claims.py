@@ -185,7 +185,7 @@ def _open_ledger() -> int | None:
                 with contextlib.suppress(OSError):  # (every user's workers share it; umask would narrow it)
                     os.fchmod(fd, 0o666)
     except OSError as exc:  # (a link, a read-only directory, another user's file not shared)
-        log.debug("kvtier: no host-memory ledger at %s (%s): the reservation is checked on its own", path, exc)
+        log.warning("kvtier: no host-memory ledger at %s (%s): the reservation is checked on its own", path, exc)
         return None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # (a hard link: another file's name)
