@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from kvtier.backends.index import pid_alive, pid_scope
 from kvtier.host_memory import available_bytes
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,7 @@ def claim(need: int) -> Iterator[None]:
                 os.close(fd)
                 fd = None
         if fd is None:
-            room = available_bytes()
-            if room is not None and need > room:
-                raise MemoryShort(room, 0)
+            _room_for(need, [])
         yield
     finally:
         try:
@@ -117,17 +116,13 @@ def ledger_path() -> Path:
 
 
 def _memory_domain() -> str:
-    """What the processes sharing a ledger have in common: the PID namespace (whose pids
-    they can check) and the cgroups (whose limits their room is measured within)."""
-    h = hashlib.sha256()
-    for read in (lambda: str(os.stat("/proc/self/ns/pid").st_ino).encode(),
-                 lambda: Path("/proc/self/cgroup").read_bytes()):
-        try:
-            h.update(read())
-        except OSError:
-            h.update(b"-")
-        h.update(b"\0")
-    return h.hexdigest()[:16]
+    """What the processes sharing a ledger have in common: the host and PID namespace (where
+    their pids can be checked) and the cgroups (whose limits their room is measured within)."""
+    try:
+        cgroups = Path("/proc/self/cgroup").read_bytes()
+    except OSError:
+        cgroups = b"-"
+    return hashlib.sha256(pid_scope() + cgroups).hexdigest()[:16]
 
 
 def _record(fd: int, need: int) -> _Claim | None:
@@ -136,17 +131,27 @@ def _record(fd: int, need: int) -> _Claim | None:
     against (nothing recorded)."""
     with _locked(fd):
         claims = _tidy(_read(fd))
-        known = [f for f in (available_bytes(), *(c.after for c in claims)) if f is not None]
-        mine = None
-        if known:
-            least = min(known)
-            if need > least:
-                _write(fd, claims)
-                raise MemoryShort(least, sum(not c.done for c in claims))
-            mine = _Claim(os.getpid(), _started(os.getpid()) or "?", secrets.token_hex(8), least - need, False)
-            claims.append(mine)
-        _write(fd, claims)
+        try:
+            room = _room_for(need, claims)
+        except MemoryShort:
+            _write(fd, claims)  # (tidied all the same)
+            raise
+        mine = None if room is None else _Claim(os.getpid(), _started(os.getpid()) or "?",
+                                                secrets.token_hex(8), room - need, False)
+        _write(fd, claims if mine is None else [*claims, mine])
         return mine
+
+
+def _room_for(need: int, claims: list[_Claim]) -> int | None:
+    """The room a claim of ``need`` bytes has: the least of what is available now and what
+    each of ``claims`` leaves; raises :class:`MemoryShort` if less than ``need``. None where
+    none of it is known (nothing is refused then)."""
+    known = [f for f in (available_bytes(), *(c.after for c in claims)) if f is not None]
+    if not known:
+        return None
+    if need > min(known):
+        raise MemoryShort(min(known), sum(not c.done for c in claims))
+    return min(known)
 
 
 def _finish(fd: int, mine: _Claim) -> None:
@@ -247,13 +252,7 @@ def _started(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks since boot): None if it is gone (or a zombie),
     ``"?"`` where there is no /proc to tell."""
     if not Path("/proc/self/stat").exists():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:  # (another user's process)
-            pass
-        return "?"
+        return "?" if pid_alive(pid) else None
     try:
         # (state is field 3, start time field 22; the name before them may hold spaces, or
         # bytes that are not UTF-8)

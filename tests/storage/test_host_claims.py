@@ -14,6 +14,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,3 +311,19 @@ def test_a_pool_that_fits_alone_is_refused_while_another_worker_reserves(
     _end(other)
     with forbid_pool_allocations(), pytest.raises(AssertionError, match="the check let it through"):
         BufferPool(room * 6 // 10, pin=False).reserve((64 << 20,), torch.uint8)
+
+
+def test_only_processes_of_one_pid_namespace_and_cgroup_share_a_ledger(ledger: Path) -> None:
+    """A rank of this server (same PID namespace and cgroups) finds the same ledger; a
+    process in another PID namespace (a container sharing /dev/shm) another one, so it
+    never takes this namespace's live pids for dead."""
+    show = [sys.executable, "-c", "from kvtier.host_claims import ledger_path; print(ledger_path())"]
+    rank = subprocess.run(show, capture_output=True, text=True, check=True)
+    assert rank.stdout.strip() == str(ledger)
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here to start a process in another PID namespace")
+    other = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *show], capture_output=True, text=True)
+    if other.returncode != 0:
+        pytest.skip(f"this machine does not let a test make a PID namespace: {other.stderr.strip()}")
+    elsewhere = Path(other.stdout.strip())
+    assert elsewhere.parent == ledger.parent and elsewhere.name != ledger.name
