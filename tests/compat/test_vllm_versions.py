@@ -4,7 +4,7 @@ with vLLM's synchronous and asynchronous scheduling.
 The full engine suite runs on the newest release (the main ``.venv``). Each older release gets
 its own virtual environment, built once by ``scripts/dev-env.sh`` and reused (a stamp records
 its inputs; about 70 s to build here; every release's build starts with the first test that
-needs one), in which the restart tests run in a subprocess, once per way of scheduling.
+needs one), in which the restart tests run in one pytest subprocess, both ways of scheduling.
 
 ``KVTIER_VLLM_MATRIX`` picks the releases (comma-separated; ``none`` skips them, for a quick
 local run); by default every older supported CPU release runs.
@@ -25,22 +25,24 @@ REPO = Path(__file__).resolve().parents[2]
 OLDER_CPU_RELEASES = ("0.30.0", "0.31.0")
 _CHOSEN = os.environ.get("KVTIER_VLLM_MATRIX", ",".join(OLDER_CPU_RELEASES))
 MATRIX = () if _CHOSEN.strip() == "none" else tuple(v.strip() for v in _CHOSEN.split(",") if v.strip())
-# Logprob-identical restart with synchronous loads (the default files backend); token-identical
-# restart with asynchronous loads on the lmdb backend; a conversation's answer saved from the
-# request's growing token ids (save_decode_chunks); a request whose load failed is not
-# promised one again (the failure comes from the blocks vLLM reports invalid: without it, a
-# loop).
-MATRIX_TESTS = ("tests/vllm/test_restart.py::test_restart_hits_and_identical_tokens_and_logprobs",
-                 "tests/vllm/test_restart.py::test_lmdb_backend_restart",
-                 "tests/vllm/test_restart.py::test_the_next_turn_of_a_conversation_loads_the_previous_answer",
-                 "tests/vllm/test_scheduling.py::test_a_request_whose_load_failed_is_not_promised_a_load_again")
-# Under vLLM's asynchronous scheduling (a GPU server's default, which the CPU platform turns
-# off and the test engine turns back on): the engine schedules as asked, a restart's output is
-# identical with saves planned a step ahead of the output, and a conversation's answer chunks
-# are keyed from tokens that arrive a step late.
-MATRIX_ASYNC_TESTS = ("tests/vllm/test_async_scheduling.py::test_the_engine_schedules_as_the_environment_says",
-                      "tests/vllm/test_restart.py::test_restart_hits_and_identical_tokens_and_logprobs",
-                      "tests/vllm/test_restart.py::test_the_next_turn_of_a_conversation_loads_the_previous_answer")
+# With vLLM's synchronous scheduling (``[sync]``, as the CPU platform runs): a logprob-identical
+# restart with synchronous loads (the default files backend); a token-identical restart with
+# asynchronous loads on the lmdb backend; a conversation's answer saved from the request's
+# growing token ids (save_decode_chunks); a request whose load failed is not promised one again
+# (the failure comes from the blocks vLLM reports invalid: without it, a loop).
+# With its asynchronous scheduling (``[async]``, a GPU server's default, which the CPU platform
+# turns off and the test engine turns back on): the engine schedules as asked, a restart's
+# output is identical with saves planned a step ahead of the output, and a conversation's answer
+# chunks are keyed from tokens that arrive a step late.
+# Both ways run in one pytest process per release (the ``scheduling`` fixture): one start-up of
+# pytest and vLLM instead of two.
+MATRIX_TESTS = ("tests/vllm/test_restart.py::test_restart_hits_and_identical_tokens_and_logprobs[sync]",
+                "tests/vllm/test_restart.py::test_lmdb_backend_restart",
+                "tests/vllm/test_restart.py::test_the_next_turn_of_a_conversation_loads_the_previous_answer[sync]",
+                "tests/vllm/test_scheduling.py::test_a_request_whose_load_failed_is_not_promised_a_load_again[sync]",
+                "tests/vllm/test_async_scheduling.py::test_the_engine_schedules_as_the_environment_says[async]",
+                "tests/vllm/test_restart.py::test_restart_hits_and_identical_tokens_and_logprobs[async]",
+                "tests/vllm/test_restart.py::test_the_next_turn_of_a_conversation_loads_the_previous_answer[async]")
 
 
 _BUILDS: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
@@ -76,24 +78,14 @@ def test_matrix_covers_the_supported_range() -> None:
     assert all(TESTED_VLLM[0] <= v <= TESTED_VLLM[1] for v in tested)
 
 
-def _run_on(version: str, tests: tuple[str, ...], **env: str) -> None:
+@pytest.mark.skipif(not MATRIX, reason="KVTIER_VLLM_MATRIX=none")
+@pytest.mark.parametrize("version", MATRIX)
+def test_the_connector_on_older_vllm(version: str) -> None:
     python = _venv(version)
     got = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert got.startswith(version)
-    r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                       cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MATRIX_TESTS],
+                       cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, f"vLLM {version}:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
-    assert f"{len(tests)} passed" in r.stdout
-
-
-@pytest.mark.skipif(not MATRIX, reason="KVTIER_VLLM_MATRIX=none")
-@pytest.mark.parametrize("version", MATRIX)
-def test_restart_hit_on_older_vllm(version: str) -> None:
-    _run_on(version, MATRIX_TESTS)
-
-
-@pytest.mark.skipif(not MATRIX, reason="KVTIER_VLLM_MATRIX=none")
-@pytest.mark.parametrize("version", MATRIX)
-def test_asynchronous_scheduling_on_older_vllm(version: str) -> None:
-    _run_on(version, MATRIX_ASYNC_TESTS, KVTIER_TEST_ASYNC_SCHEDULING="1")
+    assert f"{len(MATRIX_TESTS)} passed" in r.stdout, r.stdout[-2000:]

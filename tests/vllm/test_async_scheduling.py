@@ -1,47 +1,32 @@
-"""Engine tests again, with vLLM's asynchronous scheduling, as GPU servers run by default.
+"""Engine tests with vLLM's asynchronous scheduling, as GPU servers run by default.
 
 vLLM's CPU platform turns asynchronous scheduling off; ``kvtier.testing.engine`` turns it
 back on (``KVTIER_TEST_ASYNC_SCHEDULING=1``): the engine core then plans step N+1 before it
-has step N's output, so the connector sees each request a step behind. These tests cover
-what that changes for kvtier: saves of a step planned before the step before has run (a
-restart with identical logprobs), a conversation's answer chunks keyed from tokens appended
-a step later, preempted requests resumed and loaded again, failed loads. Run the whole
-engine suite that way with ``KVTIER_TEST_ASYNC_SCHEDULING=1 .venv/bin/python -m pytest tests/vllm``.
+has step N's output, so the connector sees each request a step behind. The engine tests
+marked ``both_schedulings`` run both ways, in this process (the ``scheduling`` fixture in
+``conftest.py``), and cover what that changes for kvtier: saves of a step planned before the
+step before has run (a restart with identical logprobs), a conversation's answer chunks keyed
+from tokens appended a step later, preempted requests resumed and loaded again, failed loads,
+a corrupt record. Run the whole engine suite that way with
+``KVTIER_TEST_ASYNC_SCHEDULING=1 .venv/bin/python -m pytest tests/vllm``.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-ASYNC_SCHEDULING_TESTS = (
-    "tests/vllm/test_async_scheduling.py::test_the_engine_schedules_as_the_environment_says",
-    "tests/vllm/test_restart.py::test_restart_hits_and_identical_tokens_and_logprobs",
-    "tests/vllm/test_restart.py::test_the_next_turn_of_a_conversation_loads_the_previous_answer",
-    "tests/vllm/test_scheduling.py::test_a_preempted_request_loads_its_prefix_and_answer_again",
-    "tests/vllm/test_scheduling.py::test_a_request_whose_load_failed_is_not_promised_a_load_again",
-    "tests/vllm/test_faults.py::test_corrupt_chunk_is_detected_and_recomputed",
-)
+import pytest
+
+from kvtier.testing.engine import Engine, observe
 
 
-def test_engine_tests_pass_under_asynchronous_scheduling() -> None:
-    env = {**os.environ, "KVTIER_TEST_ASYNC_SCHEDULING": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ASYNC_SCHEDULING_TESTS],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, f"{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
-    assert "7 passed" in r.stdout, r.stdout[-2000:]  # (the preemption test runs twice: both load modes)
-
-
+@pytest.mark.both_schedulings
 def test_the_engine_schedules_as_the_environment_says(tiny_model: Path) -> None:
-    """What the tests above rely on: with ``KVTIER_TEST_ASYNC_SCHEDULING=1`` (as the run above
-    sets it) vLLM's engine core runs with its batch queue and plans a step before the output
-    of the one before (schedule, schedule, update, ...); without it, as vLLM runs on the CPU,
-    each step's output comes before the next is planned."""
-    from kvtier.testing.engine import Engine, observe
-
+    """What the ``both_schedulings`` tests rely on: with ``KVTIER_TEST_ASYNC_SCHEDULING=1``
+    vLLM's engine core runs with its batch queue and plans a step before the output of the
+    one before (schedule, schedule, update, ...); without it, as vLLM runs on the CPU, each
+    step's output comes before the next is planned."""
     forced = os.environ.get("KVTIER_TEST_ASYNC_SCHEDULING") == "1"
     with Engine(tiny_model) as e:
         assert e.async_scheduling is forced
@@ -50,3 +35,15 @@ def test_the_engine_schedules_as_the_environment_says(tiny_model: Path) -> None:
         observe(e.scheduler, "update_from_output", lambda *a, **k: order.append("U"))
         e.generate([list(range(3, 300))], max_tokens=4)
     assert "".join(order).startswith("SSU" if forced else "SUSU"), order
+
+
+def test_both_ways_are_run(request: pytest.FixtureRequest) -> None:
+    """The marker is honoured: each marked test is collected once per way of scheduling,
+    so an asynchronous run cannot silently drop out of the suite."""
+    marked = [i for i in request.session.items if i.get_closest_marker("both_schedulings")]
+    if not any(i.originalname == "test_the_engine_schedules_as_the_environment_says" for i in marked):
+        pytest.skip("the marked tests were not collected in this run")
+    ways = {(i.originalname, i.callspec.params["scheduling"]) for i in marked}
+    names = {name for name, _ in ways}
+    assert ways == {(n, w) for n in names for w in ("sync", "async")}
+    assert len(names) >= 6, names

@@ -19,6 +19,7 @@ def baseline(tiny_model: Path) -> list[list[int]]:
         return [r.tokens for r in e.generate(P, max_tokens=10)]
 
 
+@pytest.mark.both_schedulings
 def test_corrupt_chunk_is_detected_and_recomputed(tiny_model: Path, store_dir: Path,
                                                   baseline: list[list[int]]) -> None:
     cfg = kv_transfer_config(store_dir, backend="files")

@@ -6,6 +6,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 from enginehelpers import tokens
 
 from kvtier.backends.index import NO_KEY
@@ -16,6 +17,7 @@ SYSTEM = tokens(512, seed=1)
 PROMPTS = [SYSTEM + tokens(120, seed=2), tokens(700, seed=3)]
 
 
+@pytest.mark.both_schedulings
 def test_restart_hits_and_identical_tokens_and_logprobs(tiny_model: Path, store_dir: Path) -> None:
     """Bit-identical logprobs need an identical schedule: CPU matmuls give slightly different
     results for different batch sizes, and an asynchronous load that finishes a step later
@@ -200,6 +202,7 @@ def test_a_restart_with_a_larger_block_size_loads_the_tails_saved_before(tiny_mo
         assert [r.num_cached_tokens for r in e.generate(prompts, max_tokens=6)] == [192, 576]
 
 
+@pytest.mark.both_schedulings
 def test_the_next_turn_of_a_conversation_loads_the_previous_answer(tiny_model: Path, store_dir: Path) -> None:
     """With ``save_decode_chunks``, the full chunks a request's output completes are saved
     too: the next turn, whose prompt repeats the answer, loads them after a restart, with

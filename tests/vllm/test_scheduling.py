@@ -223,6 +223,7 @@ PREEMPTING = {"max_num_batched_tokens": 512, "kv_cache_memory_bytes": 3 << 20, "
               "max_num_seqs": 2, "dtype": "float32", "enable_prefix_caching": False}
 
 
+@pytest.mark.both_schedulings
 @pytest.mark.parametrize("load_async", [True, False])
 def test_a_preempted_request_loads_its_prefix_and_answer_again(tiny_model: Path, store_dir: Path,
                                                                load_async: bool) -> None:
@@ -248,6 +249,7 @@ def test_a_preempted_request_loads_its_prefix_and_answer_again(tiny_model: Path,
             assert loads[req_id][-1] % 256 == 0
 
 
+@pytest.mark.both_schedulings
 def test_a_request_whose_load_failed_is_not_promised_a_load_again(tiny_model: Path, store_dir: Path) -> None:
     """Every record read fails with an I/O error (the record stays stored). vLLM recomputes
     the blocks and asks the connector again; promising the same chunks again would fail
