@@ -167,6 +167,7 @@ class Engine:
         # __init__). Another gc.collect() here cost 0.4 s per engine.
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+        gc.unfreeze()  # undo __init__'s freeze, whether or not this vLLM's shutdown did
 
     def __enter__(self) -> Engine:
         return self
