@@ -146,12 +146,10 @@ def _room_for(need: int, claims: list[_Claim]) -> int | None:
     """The room a claim of ``need`` bytes has: the least of what is available now and what
     each of ``claims`` leaves; raises :class:`MemoryShort` if less than ``need``. None where
     none of it is known (nothing is refused then)."""
-    known = [f for f in (available_bytes(), *(c.after for c in claims)) if f is not None]
-    if not known:
-        return None
-    if need > min(known):
-        raise MemoryShort(min(known), sum(not c.done for c in claims))
-    return min(known)
+    room = min((f for f in (available_bytes(), *(c.after for c in claims)) if f is not None), default=None)
+    if room is not None and need > room:
+        raise MemoryShort(room, sum(not c.done for c in claims))
+    return room
 
 
 def _finish(fd: int, mine: _Claim) -> None:

@@ -105,13 +105,17 @@ class Engine:
         # here by the next engine) go at that engine's shutdown: at most one closed engine
         # waits for them.
         gc.freeze()
-        with cpu_async_scheduling(async_scheduling):
-            self.llm = LLM(
-                model=str(model), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
-                enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes, distributed_executor_backend="uni",
-                kv_transfer_config=kv_transfer_config, **kwargs)
+        try:
+            with cpu_async_scheduling(async_scheduling):
+                self.llm = LLM(
+                    model=str(model), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+                    enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                    kv_cache_memory_bytes=kv_cache_memory_bytes, distributed_executor_backend="uni",
+                    kv_transfer_config=kv_transfer_config, **kwargs)
+        except BaseException:
+            gc.unfreeze()  # (a start that fails leaves no frozen heap behind, as close() does not run)
+            raise
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, *, logprobs: bool = False,
                  salts: list[str | None] | None = None, lora: Any = None) -> list[Result]:

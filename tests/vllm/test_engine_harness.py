@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 from collections.abc import Iterator
@@ -43,3 +44,16 @@ def test_a_closed_engine_is_freed_by_the_next_engines_close(tiny_model: Path, no
     with Engine(tiny_model) as second:
         second.generate([list(range(3, 300))], max_tokens=4)
     assert engine_core() is None
+
+
+def test_an_engine_that_fails_to_start_leaves_no_frozen_heap(tiny_model: Path, tmp_path: Path) -> None:
+    """A start refused by kvtier (chunk buffers the host cannot hold) never reaches close():
+    the heap the test engine froze is unfrozen all the same, or the cycles of everything made
+    before would never be collected again in that process."""
+    from kvtier.errors import ConfigError
+    from kvtier.testing.engine import kv_transfer_config
+
+    gc.unfreeze()
+    with pytest.raises(ConfigError, match="cannot reserve its chunk buffers"):
+        Engine(tiny_model, kv_transfer_config(tmp_path / "store", host_bytes="100T"))
+    assert gc.get_freeze_count() == 0
