@@ -1,17 +1,22 @@
 """A vLLM engine with the kvtier connector, for the crash-injection harness.
 
     python _engine_job.py write MODEL STORE SEED   # prints READY once saving, then saves until killed
-    python _engine_job.py run MODEL STORE|-        # generates the fixed prompts once, prints RESULT json
+
+``engine`` and ``FIXED`` also serve the test's last check, in its own process (an engine
+killed at random must run in a process of its own; the check's engines need not).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
+from typing import TYPE_CHECKING
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: a SIGKILL kills the whole engine
+
+if TYPE_CHECKING:
+    from kvtier.testing.engine import Engine
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
@@ -24,29 +29,29 @@ def prompts(seed: int, n: int) -> list[list[int]]:
 FIXED = prompts(7, 4)
 
 
-def main() -> None:
-    mode, model, store = sys.argv[1], sys.argv[2], sys.argv[3]
+def engine(model: str, store: str | None, backend: str = "") -> Engine:
+    """The harness's engine on ``store`` (``None``: without the connector); ``backend`` is a
+    new store's (a later engine follows the store's)."""
     from kvtier.testing.engine import Engine, kv_transfer_config
 
-    # (a new store's backend; a later engine follows the store's)
-    backend = {"backend": os.environ["KVTIER_JOB_BACKEND"]} if os.environ.get("KVTIER_JOB_BACKEND") else {}
-    ktc = None if store == "-" else kv_transfer_config(store, **backend, chunk_tokens=64, disk_bytes="8M",
-                                                     commit_bytes="64K", load_async=False)
-    with Engine(model, ktc, dtype="float32", block_size=32, max_model_len=1024) as engine:
-        if mode == "run":
-            out = engine.generate(FIXED, max_tokens=6)
-            print("RESULT " + json.dumps([[r.tokens, r.num_cached_tokens] for r in out]), flush=True)
-            return
-        seed = int(sys.argv[4])
-        engine.generate(FIXED[:1], max_tokens=1)
+    ktc = None if store is None else kv_transfer_config(
+        store, **({"backend": backend} if backend else {}), chunk_tokens=64, disk_bytes="8M",
+        commit_bytes="64K", load_async=False)
+    return Engine(model, ktc, dtype="float32", block_size=32, max_model_len=1024)
+
+
+def main() -> None:
+    model, store, seed = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    with engine(model, store, os.environ.get("KVTIER_JOB_BACKEND", "")) as eng:
+        eng.generate(FIXED[:1], max_tokens=1)
         print("READY", flush=True)
         i = 0
         while True:  # new prompts (saves, evictions under the small budget) and repeats (loads)
             batch = prompts(seed * 1000 + i, 2) + [FIXED[i % len(FIXED)]]
-            engine.generate(batch, max_tokens=2)
+            eng.generate(batch, max_tokens=2)
             # else the repeats hit vLLM's own prefix cache: no load, so no use the store's LRU
             # sees, and the fixed prompts would be evicted under the budget
-            engine.llm.reset_prefix_cache()
+            eng.llm.reset_prefix_cache()
             i += 1
 
 

@@ -1,11 +1,11 @@
 """Crash injection through vLLM: an engine with the connector, saving and evicting under a
 budget, SIGKILLed at random instants. After each kill the store verifies whole (every
 record's checksum, the index and the payloads in agreement), and at the end a fresh engine on
-the same store gives exactly the output of an engine without the cache."""
+the same store gives exactly the output of an engine without the cache (those two in this
+process: only an engine that is killed needs a process of its own)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import selectors
@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+# (its import also keeps this process's vLLM engines in-process, before vLLM is imported)
+from _engine_job import FIXED, engine
 from kvhelpers import REPO  # noqa: I001
 from relhelpers import fuzz_seed, kvtier_cli, record, scale
 
@@ -47,11 +50,10 @@ def _wait_for(proc: subprocess.Popen[str], word: str, timeout: float) -> str:
     raise AssertionError(f"engine job did not print {word} within {timeout}s (rc={proc.poll()})")
 
 
-def _run(model: Path, store: str) -> list[list[object]]:
-    proc = _start("run", str(model), store)
-    line = _wait_for(proc, "RESULT", 300)
-    proc.wait()
-    return json.loads(line[len("RESULT "):])
+def _run(model: Path, store: Path | None) -> list[tuple[list[int], int]]:
+    """The fixed prompts' tokens and how many of their tokens were cached, per prompt."""
+    with engine(str(model), None if store is None else str(store)) as eng:
+        return [(r.tokens, r.num_cached_tokens) for r in eng.generate(FIXED, max_tokens=6)]
 
 
 def _check_store(store: Path) -> int:
@@ -86,8 +88,8 @@ def test_engine_killed_at_random_instants(tmp_path: Path, backend: str) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         checked += _check_store(store)
-    expected = _run(model, "-")
-    cached = _run(model, str(store))
+    expected = _run(model, None)
+    cached = _run(model, store)
     assert [r[0] for r in cached] == [r[0] for r in expected], f"outputs differ after {kills} kills (seed {seed})"
     # beyond what vLLM's own prefix cache shares within the batch, the store served tokens
     from_store = sum(int(r[1]) for r in cached) - sum(int(r[1]) for r in expected)
