@@ -70,11 +70,14 @@ class HostTier:
             self._bytes -= victim.numel() * victim.element_size()
         return True
 
-    def discard(self, key: bytes) -> None:
+    def discard(self, key: bytes, tensor: torch.Tensor | None = None) -> None:
+        """Drop ``key``'s chunk (only if it is ``tensor``, where given)."""
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= old.numel() * old.element_size()
+            old = self._items.get(key)
+            if old is None or (tensor is not None and old is not tensor):
+                return
+            del self._items[key]
+            self._bytes -= old.numel() * old.element_size()
 
     def clear(self) -> None:
         with self._lock:

@@ -453,6 +453,7 @@ class ChunkStore:
             self.counters.add(dropped_saves=len(batch), io_errors=1)
             self._warn.warning("writer", "kvtier: preparing %d chunks for the disk failed (%s); they "
                                "stay uncached", len(batch), why)
+            self._forget_in_host(batch)  # (a failed device copy leaves its buffer's bytes unknown)
             self._release(batch)
             return
         with self._cv:
@@ -479,6 +480,12 @@ class ChunkStore:
                 batch = work[0]
                 work.clear()
                 self._release(batch, committed=True)
+
+    def _forget_in_host(self, batch: list[_Pending]) -> None:
+        """Drop ``batch``'s chunks from the host tier (a function of its own: no loop
+        variable outlives it to keep a buffer from the pool)."""
+        for p in batch:
+            self.host.discard(p.key, p.tensor)
 
     def _release(self, batch: list[_Pending], *, committed: bool = False) -> None:
         """A batch is done with (stored, dropped or failed): its chunks leave the queue."""
@@ -684,13 +691,23 @@ class ChunkStore:
         return got if got is not None else self._load_from_backend(key, out, out_is_scratch)
 
     def _load_from_memory(self, key: bytes, out: torch.Tensor | None) -> Loaded | None:
-        """A hit from the host tier or the write queue, or None."""
+        """A hit from the host tier or the write queue, or None. A chunk whose device copy
+        may still be landing (``put``'s ``ready``) is waited for: the caller reads it on the
+        host (a worker that copies it to the device on the stream that copied it out would
+        not need to, but waits at most for that copy, and only for a chunk saved a step
+        before). One whose copy failed is no hit, and leaves the host tier."""
         t = self.host.get(key)
-        if t is None:
-            pending = self._pending.get(key)
-            t = pending.tensor if pending is not None else None
+        pending = self._pending.get(key)
+        if t is None and pending is not None:
+            t = pending.tensor
         if t is None:
             return None
+        if pending is not None and pending.ready is not None and pending.tensor is t:
+            try:
+                pending.ready()
+            except Exception:  # (the writer drops and counts it, as it does every failed copy)
+                self.host.discard(key, t)
+                return None
         self.counters.add(hits_host=1, bytes_loaded=t.numel() * t.element_size())
         self.touch((key,))
         if out is not None:

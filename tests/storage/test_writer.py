@@ -6,6 +6,7 @@ save)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -179,6 +180,76 @@ def test_a_failed_device_copy_never_costs_the_next_save_its_buffer(tmp_path: Pat
         assert store.flush(10)
     store.close()
     assert dropped == 0
+
+
+def _landing_later(t: torch.Tensor, value: float) -> Callable[[], object]:
+    """A device copy into ``t`` still in flight: it lands (``t`` filled with ``value``) in
+    0.2 s; the returned ``ready`` waits for it."""
+    landed = threading.Event()
+
+    def land() -> None:
+        time.sleep(0.2)
+        t.fill_(value)
+        landed.set()
+
+    threading.Thread(target=land, daemon=True).start()
+    return lambda: landed.wait(10)
+
+
+@pytest.mark.parametrize("how", ["load into out", "load", "load_many"])
+def test_a_hit_on_a_chunk_whose_device_copy_is_landing_waits_for_it(tmp_path: Path, how: str) -> None:
+    """A chunk saved while its device copy is in flight is a host-tier hit at once (a later
+    request in the same process): the reader gets the copy's bytes, never the buffer's
+    earlier ones."""
+    store = _store(tmp_path, "files", 1)
+    t = store.buffer(SHAPE, torch.bfloat16)
+    assert t is not None
+    t.zero_()
+    assert store.put(_key(1), t, namespace_id=NS, token_start=0, num_tokens=64, ready=_landing_later(t, 7.0))
+    del t
+    if how == "load into out":
+        out = torch.empty(SHAPE, dtype=torch.bfloat16)
+        assert store.load(_key(1), out).outcome.value == "hit"
+        got = out.clone()
+    elif how == "load":
+        loaded = store.load(_key(1))
+        assert loaded.tensor is not None
+        got = loaded.tensor.clone()
+    else:
+        with contextlib.closing(store.load_many([_key(1)])) as reads:
+            loaded = next(reads)
+            assert loaded.tensor is not None
+            got = loaded.tensor.clone()
+        del loaded
+    assert torch.equal(got, _chunk(7)), f"read the buffer before its copy landed (first value {got.flatten()[0]})"
+    assert store.flush(10)
+    store.close()
+
+
+@pytest.mark.parametrize("read_first", [True, False], ids=["read while queued", "read once dropped"])
+def test_a_chunk_whose_device_copy_failed_is_never_a_hit(tmp_path: Path, read_first: bool) -> None:
+    """Its buffer's bytes are unknown: neither the write queue nor the host tier serves it,
+    before or after the writer dropped it."""
+    store = _store(tmp_path, "files", 1)
+    t = store.buffer(SHAPE, torch.bfloat16)
+    assert t is not None
+    t.copy_(_chunk(3))  # (what the buffer held before: a hit would return these bytes)
+    release = threading.Event()
+
+    def failing_copy() -> None:
+        release.wait(10)
+        _failed_copy()
+
+    assert store.put(_key(1), t, namespace_id=NS, token_start=0, num_tokens=64, ready=failing_copy)
+    del t
+    release.set()
+    if read_first:
+        assert store.load(_key(1)).outcome.value == "miss"
+    assert store.flush(10)
+    assert store.load(_key(1)).outcome.value == "miss"
+    assert store.counters.snapshot()["dropped_saves"] == 1
+    assert len(store.host) == 0
+    store.close()
 
 
 class _RemoteThatRaises:
