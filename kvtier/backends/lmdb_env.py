@@ -191,6 +191,22 @@ def forget_env(path: Path, env: lmdb.Environment) -> None:
         env.close()
 
 
+def _same_owner_and_mode(copy: Path, original: Path) -> None:
+    """Give a compacted copy the original file's owner and permissions: LMDB creates it for
+    whoever runs the compaction, readable by all under a usual umask (the KV of users'
+    prompts is private data), and a file the store's owner cannot open would stop its server.
+    Raises :class:`StoreError` (nothing replaced) where this user cannot."""
+    st = original.stat()
+    os.chmod(copy, st.st_mode & 0o7777)
+    try:
+        os.chown(copy, st.st_uid, st.st_gid)
+    except PermissionError:  # (a group this user is not in: the owner can still open it)
+        if os.stat(copy).st_uid != st.st_uid:
+            raise StoreError(f"{original}: owned by user {st.st_uid}, and this user cannot give the "
+                             "compacted copy to it; run compact as the store's owner "
+                             "(e.g. sudo -u OWNER kvtier compact ...)") from None
+
+
 def _remove_copy(tmp: Path) -> None:
     """Remove ``compact.tmp`` (a copy of an environment being compacted) if it is there."""
     if tmp.is_symlink() or tmp.is_file():
@@ -310,6 +326,7 @@ class EnvHandle:
         try:
             with GATE.held():
                 env.copy(str(tmp), compact=True)
+            _same_owner_and_mode(tmp / "data.mdb", data)
             with GATE.exclusive(timeout=30.0) as ok:
                 if not ok:
                     raise lmdb.Error(f"{self.path}: transactions stayed open; compact later")

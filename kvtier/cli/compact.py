@@ -21,7 +21,9 @@ file is reported on its own line. The files backend keeps one file per record, s
 record's space is free already; only its index is compacted. It needs the store to itself:
 it refuses, changing nothing, while a server or another kvtier command has the store open;
 stop the server first. It needs free space for a copy of the data in use; a compact that
-fails (e.g. on a full disk) leaves the store as it was.
+fails (e.g. on a full disk) leaves the store as it was. Each rewritten file keeps its owner
+and permissions; run by a user who cannot give a file back to its owner, it refuses (the
+server could no longer open it).
 """
 
 
@@ -44,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
             data = handle.path / "data.mdb"
             before = data.stat().st_size
             reclaimed = handle.compact()
-            files.append({"file": str(data.relative_to(root)), "before_bytes": before,
+            # (the store's own name for it: STORE may be relative, the handle's path is not)
+            files.append({"file": f"{handle.path.name}/{data.name}", "before_bytes": before,
                           "after_bytes": data.stat().st_size, "reclaimed_bytes": reclaimed})
         backend = st.backend_name
     out: dict[str, Any] = {

@@ -237,3 +237,73 @@ def test_compact_files_store_compacts_its_index(built_stores: dict[str, Built], 
                                 f"{format_size(after)} ({format_size(before - after)} reclaimed)")
     assert set(entries(fs, "files")) == set(keep)
     assert run_main(capsys, "verify", fs).returncode == 0
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "files"])
+def test_compact_of_a_store_named_relative_to_the_working_directory(
+        built_stores: dict[str, Built], tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """STORE as typed (``./cache``): compact rewrites and reports each file, as with a full
+    path (it failed half-way before, the records compacted and the index not)."""
+    shutil.copytree(built_stores[backend].path, tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    r = run_main(capsys, "compact", "./cache", "--json")
+    assert r.returncode == 0, r.stderr
+    files = {f["file"] for f in json.loads(r.stdout)["files"]}
+    assert files == ({"lmdb/data.mdb", "index/data.mdb"} if backend == "lmdb" else {"index/data.mdb"})
+    assert run_main(capsys, "verify", "cache").returncode == 0
+
+
+def test_compact_keeps_each_files_owner_and_permissions(built_stores: dict[str, Built], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """LMDB writes the compacted copy for whoever runs compact, under their umask: the
+    store's files stay its owner's, readable by its owner only (the KV of users' prompts),
+    also when root compacts a store a server's user owns."""
+    import os
+
+    store = tmp_path / "lmdb"
+    shutil.copytree(built_stores["lmdb"].path, store)
+    owner = os.getuid() if os.getuid() != 0 else 65534  # (root: a store of another user's)
+    if os.getuid() == 0:
+        for d, _, names in os.walk(store):
+            os.chown(d, owner, owner)
+            for n in names:
+                os.chown(os.path.join(d, n), owner, owner)
+    old_umask = os.umask(0o022)
+    try:
+        r = run_main(capsys, "compact", store)
+    finally:
+        os.umask(old_umask)
+    assert r.returncode == 0, r.stderr
+    for f in ("lmdb/data.mdb", "index/data.mdb"):
+        st = (store / f).stat()
+        assert (oct(st.st_mode & 0o777), st.st_uid) == (oct(0o600), owner), f
+
+
+def test_compact_refuses_when_it_cannot_give_a_file_back_to_its_owner(
+        built_stores: dict[str, Built], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user than the store's owner (one with write access to its directories): the
+    copy would be theirs, 0600, and the owner's server could not open it. Refused, one
+    line, nothing replaced. (Such a user cannot give a file away: ``chown`` fails as it
+    does for them.)"""
+    import os
+
+    if os.getuid() != 0:
+        pytest.skip("needs root, to give the store to another user first")
+    store = tmp_path / "lmdb"
+    shutil.copytree(built_stores["lmdb"].path, store)
+    for d, _, names in os.walk(store):
+        os.chown(d, 65534, 65534)
+        for n in names:
+            os.chown(os.path.join(d, n), 65534, 65534)
+    before = {f: (store / f).read_bytes() for f in ("lmdb/data.mdb", "index/data.mdb")}
+
+    def not_permitted(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chown", not_permitted)
+    r = run_main(capsys, "compact", store)
+    one_line_error(r, 1, "owned by user 65534", "run compact as the store's owner")
+    assert {f: (store / f).read_bytes() for f in before} == before
+    assert not list(store.rglob("compact.tmp"))
