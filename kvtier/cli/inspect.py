@@ -67,7 +67,8 @@ cache_salt and LoRA are part of each key, so pass the request's --salt/--lora to
 chunks. A vLLM server keys a LoRA request by the adapter's weights, not its name: give
 --lora the adapter's directory (kvtier fingerprints its files as the server did), or the
 'sha256:...' fingerprint; any other value is used as it is (what a library user passed as
-RequestExtras.lora). Exit status 1 if a record inspected is corrupt.
+RequestExtras.lora). Exit status 1 if a record inspected is corrupt or unreadable (not for
+an incompatible one: intact, kept for the kvtier that can read it).
 """
 
 
@@ -138,6 +139,12 @@ def _examine(backend: Backend, key: bytes) -> tuple[RecordHeader | None, str]:
     return header, "ok"
 
 
+def _failed(status: str) -> bool:
+    """Whether a record's status is a failure (exit status 1): corrupt or unreadable. An
+    incompatible record is intact (kept for the kvtier that can read it), as ``verify`` says."""
+    return status.split(":", 1)[0] in ("corrupt", "unreadable")
+
+
 def _header_json(h: RecordHeader) -> dict[str, Any]:
     return {
         "format_version": h.format_version, "codec": CODEC_NAMES.get(h.codec, str(h.codec)),
@@ -170,7 +177,7 @@ def _run_key(args: argparse.Namespace) -> int:
     }
     if args.json:
         print_json(out)
-        return 0 if status == "ok" else 1
+        return 1 if _failed(status) else 0
     con = stdout_console()
     t = Table(show_header=False, title=f"record {key.hex()[:16]}…", title_justify="left")
     t.add_column("field", style="bold")
@@ -193,7 +200,7 @@ def _run_key(args: argparse.Namespace) -> int:
     if entry:
         t.add_row("last use", ago(entry.atime_ns))
     show(con, t)
-    return 0 if status == "ok" else 1
+    return 1 if _failed(status) else 0
 
 
 # -- by token ids ----------------------------------------------------------------------
@@ -264,7 +271,7 @@ def _run_tokens(args: argparse.Namespace) -> int:
                     if status == "ok":
                         prefix_end = cand.end
                     break
-    corrupt = any(r["status"] not in ("ok", "missing") for r in rows)
+    corrupt = any(_failed(r["status"]) for r in rows)
     if args.json:
         print_json({"namespace": ns_id.hex(), "model": ns.model, "tokens": len(tokens),
                     "cached_prefix_tokens": prefix_end, "salt": args.salt is not None,

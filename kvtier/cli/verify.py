@@ -165,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
         line(con, f"removed {rep.removed:,} {what} records ({size(rep.removed_bytes)})")
     elif rep.corrupt or rep.missing:
         line(con, f"[yellow]run 'kvtier verify {escape(args.store)} --remove-corrupt' to remove them[/]")
-    if not bad:
+    if not bad and rep.incompatible:  # (intact, and kept: not "all records verify", none of them did)
+        line(con, f"[green]no corrupt records[/]; {len(rep.incompatible):,} incompatible record(s) kept "
+                  "for the kvtier version or max_record_bytes that can read them")
+    elif not bad:
         line(con, "[green]all records verify[/]")
     return 1 if bad else 0

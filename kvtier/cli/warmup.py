@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     err = stderr_console()
     for e in errors:
         line(err, f"[yellow]kvtier: warning: {args.prompts}: {e} (skipped)[/]")
+    if not prompts:  # (before an engine starts for nothing)
+        raise UsageError(f"--prompts: {args.prompts}: no prompt to warm up"
+                         + (f" ({len(errors)} line(s) skipped, above); fix the file" if errors else ""))
     with progress("warming up", enabled=not args.json, unit="prompts") as bar:
         task = bar.add_task("warmup", total=len(prompts), status="")
 

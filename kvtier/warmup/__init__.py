@@ -81,6 +81,15 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
     else:
         raise TypeError(f"warmup(prompts=...): expected the path of a prompts file (JSON Lines) or a list of "
                         f"kvtier.warmup.Prompt, got {type(prompts).__name__}")
+    if not prompts:  # (before an engine starts, or a store is made, for nothing)
+        raise ConfigError("prompts: none to warm up" + (
+            f" ({len(errors)} line(s) skipped, the first: {errors[0]}); fix the prompts file" if errors else ""))
+    if engine == "vllm":  # (the transformers engine checks the directory as it reads its config)
+        problem = _local_model_problem(model)
+        if problem:
+            from kvtier.warmup.hf_engine import WarmupRefused
+
+            raise WarmupRefused(problem)
     config = with_store_settings(config, model)
     settings = ConnectorSettings.from_extra_config(config)
     if settings.cache.chunk_tokens % block_size:
@@ -95,6 +104,22 @@ def warmup(model: str, prompts: str | Path | list[Prompt], *, engine: str = "tra
                   report, on_progress)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _local_model_problem(model: str) -> str | None:
+    """Why ``model``, named as a local path, is not what a server loads (before vLLM starts,
+    which takes a missing directory for a hub id and an empty one for a bug); None where it
+    may be: a directory with ``config.json`` (or Mistral's ``params.json``), a file (GGUF),
+    or a hub id, which vLLM resolves."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file() or (path / "params.json").is_file():
+            return None
+        return (f"{model}: no config.json in this directory; pass the directory the server loads "
+                "(with its config.json and weights)")
+    if path.exists() or not (path.is_absolute() or model.startswith(("./", "../", "~"))):
+        return None
+    return f"{model}: no such directory; pass the directory the server loads (its --model)"
 
 
 def with_store_settings(config: dict[str, Any] | None, model: str | None = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from enginehelpers import tokens
 
+from kvtier.errors import ConfigError
 from kvtier.testing.engine import Engine, kv_transfer_config
 from kvtier.warmup import Prompt, warmup
 
@@ -421,6 +422,47 @@ def test_unusable_inputs_are_one_clear_error_line(tiny_model: Path, tmp_path: Pa
         assert line.endswith("give the prompts as prompt_token_ids instead, or add the tokenizer files")
     if case == "empty model dir":
         assert line.endswith("pass the directory the server loads (with its config.json and weights)")
+
+
+@pytest.mark.parametrize("case", ["missing model dir", "model dir without config.json", "no usable prompt"])
+def test_a_vllm_warmup_refuses_what_cannot_run_before_its_engine_starts(
+        tiny_model: Path, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM took a missing directory for a hub id (a message about repo ids) and an empty
+    one for a bug ("internal error: ValidationError"), after seconds of starting, and
+    started an engine for a file of bad lines only. Now: one line, status 2, no engine
+    started and no store made."""
+    import vllm
+
+    from kvtier.cli.main import main
+
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    store = tmp_path / "store"
+    model, prompts = str(tiny_model), _write(tmp_path / "p.jsonl", [{"prompt_token_ids": PROMPTS[1]}])
+    if case == "missing model dir":
+        model, want = str(tmp_path / "nowhere"), f"{tmp_path / 'nowhere'}: no such directory; pass the directory"
+    elif case == "model dir without config.json":
+        (tmp_path / "empty").mkdir()
+        model, want = str(tmp_path / "empty"), f"{tmp_path / 'empty'}: no config.json in this directory; pass"
+    else:
+        prompts.write_text("not json\n{}\n")
+        want = f"--prompts: {prompts}: no prompt to warm up (2 line(s) skipped, above); fix the file"
+    rc = main(["warmup", "--model", model, "--prompts", str(prompts), "--engine", "vllm",
+               "--config", json.dumps({"path": str(store)})])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", (rc, out, err)
+    last = err.strip().splitlines()[-1]  # (after the warnings of skipped lines)
+    assert last.startswith("kvtier: error: ") and want in last, last
+    assert "Traceback" not in err
+    assert not store.exists()
+    if case == "no usable prompt":  # the library, given the file: the same refusal, its first bad line
+        with pytest.raises(ConfigError, match=r"prompts: none to warm up \(2 line\(s\) skipped, the first: "
+                                              r"line 1: .*\); fix the prompts file"):
+            warmup(model, prompts, engine="vllm", config={"path": str(store)})
+        assert not store.exists()
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
