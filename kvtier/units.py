@@ -34,7 +34,7 @@ def parse_size(value: int | str, setting: str = "size") -> int:
     if isinstance(value, int):
         n = value
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))  # (a sign: said below)
         unit = m.group(2).lower() if m else ""
         if not m or unit not in _SIZE_UNITS:
             raise ConfigError(

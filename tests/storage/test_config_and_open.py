@@ -127,6 +127,13 @@ def test_sizes_parse(tmp_path: Path) -> None:
     assert (c.host_bytes, c.disk_bytes, c.write_queue_bytes) == (512 << 20, 2 * 10**9, 4096)
 
 
+@pytest.mark.parametrize("value", [-1, "-1", "-5G", " -0.5G "])
+def test_a_negative_size_is_said_to_be_negative(tmp_path: Path, value: object) -> None:
+    """Whether given as a number or a string (a string with a sign read as unreadable)."""
+    with pytest.raises(ConfigError, match=r"host_bytes: must not be negative, got "):
+        CacheConfig(path=tmp_path, host_bytes=value)  # type: ignore[arg-type]
+
+
 def test_a_built_config_refuses_changes_and_says_how_to_make_a_changed_copy(tmp_path: Path) -> None:
     """Assigning to a config used to be accepted unchecked: ``disk_bytes = "abc"`` failed later
     in arithmetic far from the mistake, and a store opened with the config applied a change
