@@ -199,8 +199,12 @@ class WorkerSide:
             stage_bytes = BATCH_BYTES * max(slots(self.per_copy), slots(self.save_per_copy))
         need = chunk_rows * max(len(self._groups) * slots(self.per_copy),
                                 len(self._save_groups) * slots(self.save_per_copy))
-        self._stage = torch.empty((max(need, stage_bytes // row_bytes), *row_shape), dtype=self.dtype,
-                                  device=self.copies.device)
+        # allocated on the side stream, the only one that uses it: should the worker be dropped
+        # without close(), PyTorch's allocator gives the memory out again only behind the
+        # copies still in flight there (IndexRing's device buffers are made there too)
+        with self.copies.after_compute():
+            self._stage = torch.empty((max(need, stage_bytes // row_bytes), *row_shape), dtype=self.dtype,
+                                      device=self.copies.device)
         # every staging and host-tier buffer now, pinned and touched, in one allocation: no
         # step allocates (the first saves would pay for new pinned memory on this thread)
         store.reserve_buffers((len(self.views), 2, namespace.chunk_tokens, self.heads, self.head_dim), self.dtype)

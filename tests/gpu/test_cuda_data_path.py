@@ -197,6 +197,58 @@ def test_cuda_each_layer_is_saved_as_its_compute_wrote_it(tmp_path: Path, conten
 
 
 @pytest.mark.parametrize("content", ["kv_last", "cpu"])
+def test_cuda_back_to_back_steps_reload_what_each_step_wrote(tmp_path: Path, content: str) -> None:
+    """Steps as a server runs them, never flushed or synchronized in between. Each writes
+    its chunk's blocks on the compute stream behind queued work and saves them; right after
+    the step the compute stream overwrites every block (only the step's fence orders that
+    after the side stream's gathers); the next step loads the chunk saved one step before,
+    still on its way to the disk (a host-tier hit on a buffer whose device copy may not
+    have landed: the side stream's order, or the store's wait for the copy, makes it
+    right). Every chunk reads back as its step wrote it."""
+    from kvtier.testing.worker_rig import load_sync, save_step
+    from kvtier.vllm.metadata import ChunkLoad, LoadSpec, SaveSpec
+
+    steps = 8
+    g = _rank(4, 64)
+    per_chunk = g.chunk_tokens // g.block_size
+    src, dest = list(range(per_chunk)), list(range(per_chunk, 2 * per_chunk))
+    src_t = torch.tensor(src, device="cuda")
+    dest_t = torch.tensor(dest, device="cuda")
+    cfg = CacheConfig(path=tmp_path / "s", chunk_tokens=g.chunk_tokens, host_bytes=steps * g.chunk_bytes,
+                      write_queue_bytes=steps * g.chunk_bytes)
+    with ChunkStore(cfg) as store:
+        worker, caches = make_worker(store, g, content, "cuda")
+        written = [{name: torch.randn(c.shape, device="cuda").to(c.dtype) for name, c in caches.items()}
+                   for _ in range(steps)]
+        for name, c in caches.items():  # every kernel once first (a first launch may synchronize)
+            c.copy_(written[0][name])
+            c.fill_(float("nan"))
+        torch.cuda._sleep(1)
+        torch.cuda.synchronize()
+        keys = [(bytes([i + 1]) * 32,) for i in range(steps)]
+        loaded = []
+        for i in range(steps):
+            torch.cuda._sleep(20_000_000)  # (cycles: about 10 ms) the forward pass so far
+            if i:
+                load_sync(worker, [LoadSpec(f"l{i}", [ChunkLoad(keys[i - 1], 0, g.chunk_tokens, 0, dest)],
+                                            sync=True)])
+                loaded.append({name: c[dest_t].clone() for name, c in caches.items()})
+            for name, c in caches.items():
+                c.copy_(written[i][name])  # this step's KV
+            save_step(worker, caches, [SaveSpec(f"r{i}", keys[i], 0, g.chunk_tokens, src)])
+            for c in caches.values():  # the blocks reused at once
+                c.fill_(float("nan"))
+        assert store.flush(60)
+        assert not worker.take_load_errors()
+        torch.cuda.synchronize()
+        for i, got in enumerate(loaded):
+            for name, blocks in got.items():
+                assert torch.equal(blocks, written[i][name][src_t]), (i, name)
+        assert len(loaded) == steps - 1
+        worker.close()
+
+
+@pytest.mark.parametrize("content", ["kv_last", "cpu"])
 def test_cuda_a_long_prefill_steps_saves_and_load_never_wait(tmp_path: Path, content: str) -> None:
     """A Llama-3-8B-sized rank (32 layers) saving 16 chunks in one step, then loading them
     synchronously, with the forward pass queued: neither blocks the host until the compute
