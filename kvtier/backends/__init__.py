@@ -46,6 +46,11 @@ __all__ = ["Backend", "EntryInfo", "PutItem", "PutResult", "open_backend", "read
            "SHARED_LIMITS", "STORED_SETTINGS", "adopt_settings", "open_shared", "stored_config"]
 
 
+# what a marker this kvtier cannot use leaves the user to do (nothing of the store is touched)
+_ELSEWHERE = "move the directory away and let the cache refill a new one"
+_DAMAGED = f"the store marker is damaged; restore it from a backup, or {_ELSEWHERE}"
+
+
 def _make_backend(root: Path, config: CacheConfig, readonly: bool) -> Backend:
     max_read = int(config.max_record_bytes) + MAX_HEADER_BYTES
     payloads: PayloadStore
@@ -79,13 +84,12 @@ def read_marker(root: Path) -> dict[str, object]:
     except PermissionError:
         raise StoreError(f"{root}: cannot read {MARKER} (permission denied); run as the store's owner") from None
     except (ValueError, OSError) as exc:
-        raise StoreError(f"{root}: {MARKER} is unreadable ({exc}); the store marker is damaged") from None
+        raise StoreError(f"{root}: {MARKER} is unreadable ({exc}); {_DAMAGED}") from None
     if not isinstance(info, dict) or info.get("format") != "kvtier-store":
         raise StoreError(f"{root}: {MARKER} is not a kvtier store marker")
     version = info.get("layout_version")
     if isinstance(version, bool) or not isinstance(version, int):
-        raise StoreError(f"{root}: {MARKER} has no valid layout_version ({version!r}); the store "
-                         "marker is damaged")
+        raise StoreError(f"{root}: {MARKER} has no valid layout_version ({version!r}); {_DAMAGED}")
     if version > STORE_LAYOUT_VERSION:
         raise StoreFormatError(
             f"{root}: store layout version {version} was written by a newer kvtier "
@@ -100,11 +104,12 @@ def read_marker(root: Path) -> dict[str, object]:
         )
     backend = info.get("backend")
     if backend not in ("lmdb", "files"):
-        raise StoreError(f"{root}: unknown backend {backend!r} in {MARKER}")
+        raise StoreError(f"{root}: unknown backend {backend!r} in {MARKER} (a newer kvtier's?); upgrade "
+                         f"kvtier, or {_ELSEWHERE}")
     other = "files" if backend == "lmdb" else "lmdb"
     if (root / other).is_dir() and not (root / str(backend)).is_dir():
         raise StoreError(f"{root}: {MARKER} says backend {backend!r}, but the store holds "
-                         f"{other!r} records ({other}/); the store marker is damaged")
+                         f"{other!r} records ({other}/); {_DAMAGED}")
     return info
 
 

@@ -22,7 +22,7 @@ CASES: dict[str, tuple[int, tuple[str, ...]]] = {
     "not_a_store": (1, ("not a kvtier store", "kvtier-store.json")),
     "file_not_dir": (1, ("not a directory", "store directory")),
     "newer_format": (1, ("newer kvtier", "upgrade kvtier")),
-    "damaged_marker": (1, ("kvtier-store.json is unreadable", "damaged")),
+    "damaged_marker": (1, ("kvtier-store.json is unreadable", "damaged", "move the directory away")),
     "unreadable_marker": (1, ("permission denied", "owner")),
     "damaged_lmdb": (1, ("LMDB database is damaged or unreadable", "permissions")),
     "bad_size": (2, ("--max-bytes", "cannot read '50Q' as a size", "50G")),

@@ -303,9 +303,14 @@ def test_older_layout_version_and_damaged_marker(tmp_path: Path, backend: str) -
             ChunkStore(config(d, backend))
     for version in ("2", 2.0, None):  # damaged, not "written by a newer kvtier"
         (d / MARKER).write_text(json.dumps({**json.loads(good), "layout_version": version}))
-        with pytest.raises(StoreError, match="no valid layout_version.*damaged") as exc:
+        with pytest.raises(StoreError, match="no valid layout_version.*damaged; restore it from a backup, "
+                                             "or move the directory away") as exc:
             ChunkStore(config(d, backend))
         assert not isinstance(exc.value, StoreFormatError)
+    (d / MARKER).write_text(json.dumps({**json.loads(good), "backend": "tape"}))
+    with pytest.raises(StoreError, match=r"unknown backend 'tape' in kvtier-store.json \(a newer kvtier's\?\); "
+                                         "upgrade kvtier, or move the directory away"):
+        ChunkStore(config(d, backend))
     other = "files" if backend == "lmdb" else "lmdb"  # a marker that names the other backend
     (d / MARKER).write_text(json.dumps({**json.loads(good), "backend": other}))
     with pytest.raises(StoreError, match=f"says backend '{other}', but the store holds '{backend}'"):
