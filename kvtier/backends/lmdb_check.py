@@ -173,7 +173,7 @@ def damage_report(path: Path, *, preread: bool = False) -> str | None:
         ident = _file_identity(data)
     except OSError:  # not created yet, or unreadable: opening it reports that
         return None
-    key = (os.getpid(), str(path))
+    key = (os.getpid(), os.path.abspath(path))  # (a store named relatively and absolutely: one check)
     with _CHECKED_LOCK:
         if _CHECKED.get(key) == ident:
             return None

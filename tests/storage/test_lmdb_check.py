@@ -55,6 +55,8 @@ def test_intact_store_is_checked_once_while_unchanged(tmp_path: Path, monkeypatc
     runs = _count_helpers(monkeypatch)
     assert damage_report(store / "index") is None
     assert damage_report(store / "index") is None
+    monkeypatch.chdir(store)
+    assert damage_report(Path("index")) is None  # (the same environment, named relatively)
     assert len(runs) == 1  # remembered: the data file did not change
     envs = 2 if backend == "lmdb" else 1  # (an lmdb store's records are a second environment)
     lmdb_check._CHECKED.clear()
