@@ -10,6 +10,7 @@ import difflib
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,8 @@ class CacheConfig:
 
         Unknown keys are an error, with the closest known name suggested.
         """
+        if not isinstance(values, Mapping):  # (a list's items read as unknown setting names)
+            raise ConfigError(f"{where}: expected a dict of settings, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} | set(also_known)
         for key in values:
             if not isinstance(key, str):

@@ -121,6 +121,12 @@ def test_unknown_key_in_from_dict_names_it_and_suggests(tmp_path: Path) -> None:
         CacheConfig.from_dict({"colour": "blue"}, where="kv_connector_extra_config")
 
 
+@pytest.mark.parametrize("values", [["path"], "path=/x", None])
+def test_settings_that_are_not_a_dict_say_so(values: object) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config: expected a dict of settings, got "):
+        CacheConfig.from_dict(values, where="kv_connector_extra_config")  # type: ignore[arg-type]
+
+
 def test_sizes_parse(tmp_path: Path) -> None:
     c = CacheConfig.from_dict({"path": str(tmp_path), "host_bytes": "512M", "disk_bytes": "2GB",
                                "write_queue_bytes": 4096})
