@@ -59,6 +59,9 @@ class KVCache:
                             f"{type(store).__name__}; to open a store by its path, use "
                             "KVCache.open(path, namespace, config)")
         _check_namespace(namespace, "KVCache(store, namespace)")
+        if store.closed:  # (its index is closed too: registering would read as a damaged store)
+            raise StoreError(f"{store.config.path}: KVCache(store, namespace): the store was closed; open it "
+                             "again (or use KVCache.open(path, namespace, config))")
         self._dtype = _check_fits(namespace, store.config, tail_granularity, writes=not store.readonly)
         self.store = store
         self.namespace = namespace

@@ -404,10 +404,8 @@ def decode_from(
         lead = record_lead(header.shape, header.dtype)
         dest = alloc(header.shape, header.dtype, lead=lead) if alloc else torch.empty(header.shape, dtype=header.dtype)
         region = record_region(dest, header.header_len, reader.size) if lead else None
-    elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
-        raise DestinationMismatch(f"record is {header.dtype}{list(header.shape)}, destination is "
-                                  f"{out.dtype}{list(out.shape)}")
     else:
+        check_destination(out, header.shape, header.dtype)
         dest = out
     view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B")
     if region is not None:
@@ -450,6 +448,13 @@ def _contiguous_runs(t: torch.Tensor) -> list[memoryview] | None:
     return [memoryview(arr[idx]).cast("B") for idx in np.ndindex(*arr.shape[:k])]
 
 
+def check_destination(out: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> None:
+    """Raise :class:`DestinationMismatch` unless ``out`` can take a chunk of ``shape`` and
+    ``dtype`` as it is (a copy would broadcast or cast it: never the chunk's KV)."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise DestinationMismatch(f"record is {dtype}{list(shape)}, destination is {out.dtype}{list(out.shape)}")
+
+
 def _check_key(header: RecordHeader, expect_key: bytes | None) -> None:
     if expect_key is not None and header.key != expect_key:
         raise RecordError("record key does not match the key it was looked up by")
@@ -472,9 +477,8 @@ def _materialize(header: RecordHeader, pieces: list[memoryview], out: torch.Tens
 
     if out is None:
         out = alloc(header.shape, header.dtype) if alloc else torch.empty(header.shape, dtype=header.dtype)
-    elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
-        raise DestinationMismatch(f"record is {header.dtype}{list(header.shape)}, destination is "
-                                  f"{out.dtype}{list(out.shape)}")
+    else:
+        check_destination(out, header.shape, header.dtype)
     # numpy copies: a source may be a read-only view (an LMDB map), which torch cannot wrap.
     if out.device.type == "cpu" and out.is_contiguous():
         dst = out.reshape(-1).view(torch.uint8).numpy()

@@ -178,7 +178,7 @@ def chain_seed(namespace: Namespace, extras: RequestExtras = NO_EXTRAS) -> bytes
 def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian uint32 array (hashing views of it costs no copies)."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") and tokens.ndim == 1:
-        return tokens
+        return np.ascontiguousarray(tokens)  # (hashing views its bytes: a strided array is copied once)
     if isinstance(tokens, list) and sys.byteorder == "little" and _UINT_IS_32:
         # array('I') converts a list of ints 3x faster than numpy and range-checks each one.
         try:

@@ -309,6 +309,7 @@ class ChunkStore:
 
         ``wait_until`` (a monotonic time; offline writers only, such as warm-up, never a
         server's loop) waits for the writer to give buffers back instead, until then."""
+        self._refuse_if_closed("buffer")
         # the record's header fits in front of the chunk: the writer stores the record from
         # this buffer as it is (codec.record_in_place), no staging copy
         lead = codec.record_lead(shape, dtype)
@@ -684,9 +685,12 @@ class ChunkStore:
         """Load a chunk (into ``out`` if given) and say what happened (the tensor, as
         :meth:`get` says, is read-only without ``out``). With
         ``out_is_scratch``, ``out`` may be written before the record is verified (its contents
-        are unspecified unless the outcome is a hit), which saves a copy of the record."""
+        are unspecified unless the outcome is a hit), which saves a copy of the record. An
+        ``out`` of another shape or dtype than the chunk's is ``INCOMPATIBLE`` (the chunk is
+        kept), whichever tier holds it. On a closed store, a :class:`StoreError`."""
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise TypeError(f"load: key must be {KEY_BYTES} bytes, got {_kind_of(key)}")
+        self._refuse_if_closed("load")
         got = self._load_from_memory(key, out)
         return got if got is not None else self._load_from_backend(key, out, out_is_scratch)
 
@@ -702,6 +706,11 @@ class ChunkStore:
             t = pending.tensor
         if t is None:
             return None
+        if out is not None:  # (as from the disk: a wrong destination is never a hit, and the chunk is kept)
+            try:
+                codec.check_destination(out, t.shape, t.dtype)
+            except DestinationMismatch as exc:
+                return self._failed(Outcome.INCOMPATIBLE, key, exc)
         if pending is not None and pending.ready is not None and pending.tensor is t:
             try:
                 pending.ready()
@@ -793,7 +802,14 @@ class ChunkStore:
     def reserve_buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Allocate every chunk buffer the budgets allow (``host_bytes + write_queue_bytes``)
         now, for chunks of ``shape`` (see :meth:`BufferPool.reserve`); the buffers made."""
+        self._refuse_if_closed("reserve_buffers")
         return self.pool.reserve(shape, dtype)
+
+    def _refuse_if_closed(self, call: str) -> None:
+        """A call on a closed store is a mistake of its caller, not a storage fault (a load
+        would count an I/O error, a buffer would be handed out for a save that cannot be)."""
+        if self._closed:
+            raise StoreError(f"{self.config.path}: {call}: this store was closed; open it again")
 
     def _load_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, lead: int = 0) -> torch.Tensor:
         """Where a chunk loaded for the host tier is decoded: a pooled buffer if one is free

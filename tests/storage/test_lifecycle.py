@@ -41,6 +41,31 @@ def test_close_without_flush_drops_and_counts_what_is_queued(tmp_path: Path) -> 
     assert c["dropped_saves"] == 3 and c["saves_committed"] == 1
 
 
+def test_a_closed_store_refuses_clearly(tmp_path: Path) -> None:
+    """A load counted an I/O error ("Attempt to operate on closed/deleted/dropped object"),
+    a buffer was handed out for a save that could not be, and a KVCache built on it said
+    the store's LMDB database was damaged, to be deleted. Each is a StoreError that says the
+    store was closed; the store is intact."""
+    from kvtier.errors import StoreError
+
+    path = tmp_path / "s"
+    store = ChunkStore(CacheConfig(path=path, chunk_tokens=64))
+    key = b"a" * 32
+    assert store.put(key, _chunk(), namespace_id=b"n" * 16, token_start=0, num_tokens=64)
+    store.close()
+    for call in (lambda: store.load(key), lambda: store.get(key), lambda: store.buffer((1, 2, 64, 1, 8), torch.bfloat16),
+                 lambda: store.reserve_buffers((1, 2, 64, 1, 8), torch.bfloat16)):
+        with pytest.raises(StoreError, match="this store was closed; open it again"):
+            call()
+    ns = Namespace(model="m", weights_fingerprint="x", dtype="bfloat16", kv_shape=(1, 2, 1, 8), chunk_tokens=64)
+    with pytest.raises(StoreError, match="the store was closed; open it again") as info:
+        KVCache(store, ns)
+    assert "damaged" not in str(info.value)
+    assert store.counters.snapshot()["io_errors"] == 0
+    with ChunkStore(CacheConfig(path=path, chunk_tokens=64)) as again:
+        assert again.load(key).outcome.value == "hit"
+
+
 def test_failed_open_leaks_no_threads_or_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtier.backends.base import Backend
     from kvtier.errors import StoreFull

@@ -8,6 +8,7 @@ computing the same keys.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -234,3 +235,58 @@ def test_a_destination_of_the_wrong_shape_is_the_callers_mistake_and_the_record_
         assert got.outcome is Outcome.INCOMPATIBLE and "destination" in got.why
         assert store.counters.snapshot()["corrupt_records"] == 0
         assert store.load(key).outcome is Outcome.HIT  # still there
+
+
+@pytest.mark.parametrize("where", ["write queue", "host tier"])
+def test_a_wrong_destination_is_refused_from_memory_as_from_the_disk(tmp_path: Path, where: str) -> None:
+    """A chunk held in memory was copied into any destination a copy could broadcast or
+    cast into (a float32 one of three rows took a bfloat16 chunk of one) and called a hit;
+    one it could not made load() raise. Now the same outcome as from the disk."""
+    from kvtier.store import Outcome
+
+    toks = tokens(6, CHUNK)
+    kv = make_kv(toks)
+    with open_cache(tmp_path / "s", "files") as cache:
+        key = cache.chunks(toks)[0].key
+        store = cache.store
+        written = threading.Event()
+        if where == "write queue":  # (written only once the test is done: held in the queue)
+            put_many = store.backend.put_many
+
+            def held(items: list, put_many: object = put_many) -> object:
+                written.wait(30)
+                return put_many(items)  # type: ignore[operator]
+
+            store.backend.put_many = held  # type: ignore[method-assign]
+            store.host.budget = 0
+        else:
+            written.set()
+        cache.save(toks, kv)
+        if where == "host tier":
+            assert cache.flush(30)
+        assert (store.host.get(key) is not None) == (where == "host tier") and (key in store._pending) != written.is_set()
+        chunk_shape = tuple(kv.shape)
+        for wrong in (torch.zeros((chunk_shape[0] * 3, *chunk_shape[1:]), dtype=torch.float32),
+                      torch.zeros(chunk_shape, dtype=torch.float32), torch.zeros(3, dtype=torch.bfloat16)):
+            got = store.load(key, wrong)
+            assert got.outcome is Outcome.INCOMPATIBLE and "destination" in got.why, got
+            assert not wrong.any()
+        right = torch.empty(chunk_shape, dtype=kv.dtype)
+        assert store.load(key, right).outcome is Outcome.HIT and same_bits(right, kv[:, :, :CHUNK])
+        assert store.counters.snapshot()["corrupt_records"] == 0
+        written.set()
+
+
+def test_a_strided_token_array_keys_as_its_values(tmp_path: Path) -> None:
+    """A uint32 array that is a view with a stride (every other token of a longer one) keys,
+    saves and loads as the same tokens in a list (hashing a partial chunk failed on it)."""
+    base = np.array(tokens(8, 2 * (2 * CHUNK + TAIL)), dtype=np.uint32)
+    strided = base[::2]
+    assert not strided.flags.c_contiguous
+    as_list = [int(t) for t in strided]
+    kv = make_kv(as_list)
+    with open_cache(tmp_path / "s") as cache:
+        assert cache.save(strided, kv, wait=10) == len(as_list)
+        assert cache.flush(30)
+        assert cache.lookup(as_list) == cache.lookup(strided) == len(as_list)
+        assert same_bits(cache.load(strided), kv)
