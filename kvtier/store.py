@@ -16,6 +16,7 @@ import atexit
 import collections
 import contextlib
 import logging
+import numbers
 import threading
 import time
 import weakref
@@ -358,6 +359,10 @@ class ChunkStore:
                 raise TypeError(f"put: {name} must be {size} bytes, got {_kind_of(value)}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        # (a value the record's header cannot hold would fail in the writer, far from here)
+        for name, value, low, high in (("token_start", token_start, 0, 2**64), ("num_tokens", num_tokens, 1, 2**32)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value < high:
+                raise ValueError(f"put: {name} must be an integer in [{low}, 2**{high.bit_length() - 1}), got {value!r}")
         item = _Pending(key, tensor, namespace_id, token_start, num_tokens, group, parent, head,
                         _from_remote, ready, replace)
         if item.nbytes > self.config.max_record_bytes:  # no process with this limit could load it

@@ -66,6 +66,22 @@ def test_a_closed_store_refuses_clearly(tmp_path: Path) -> None:
         assert again.load(key).outcome.value == "hit"
 
 
+@pytest.mark.parametrize(("token_start", "num_tokens", "message"), [
+    (-5, 64, r"token_start must be an integer in \[0, 2\*\*64\), got -5"),
+    (0, 0, r"num_tokens must be an integer in \[1, 2\*\*32\), got 0"),
+    (0, 64.0, r"num_tokens must be an integer .*, got 64.0"),
+])
+def test_a_put_of_token_counts_no_record_can_hold_is_refused_at_the_call(
+        tmp_path: Path, token_start: object, num_tokens: object, message: str) -> None:
+    """It was queued, then failed in the writer (counted as an I/O error), far from the call."""
+    with ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64)) as store:
+        with pytest.raises(ValueError, match=message):
+            store.put(b"a" * 32, _chunk(), namespace_id=b"n" * 16, token_start=token_start,  # type: ignore[arg-type]
+                      num_tokens=num_tokens)  # type: ignore[arg-type]
+        assert store.flush(10)
+        assert store.counters.snapshot()["io_errors"] == 0 and not store.present_each([b"a" * 32])[0]
+
+
 def test_failed_open_leaks_no_threads_or_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtier.backends.base import Backend
     from kvtier.errors import StoreFull
