@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,11 +48,22 @@ _POLL_S = (0.0005, 0.05)  # recv polls from 0.5 ms, backing off to 50 ms
 _HEAD_CHECK_S = 0.25  # while waiting, how often a receiver looks whether a later place was taken
 # Advance a counter to ARGV[1] unless it is there already (or past): a retried advance, after
 # a reply lost to a timeout, is then a no-op instead of a second step.
-_ADVANCE_LUA = """
+_ADVANCE_BODY = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]); return tonumber(ARGV[1]) end
 return cur
 """
+# Also on a server over its maxmemory (noeviction): a receiver's advance comes before it
+# deletes the message, the one thing that frees memory, so a refused advance stuck the pipe
+# for good. The flag needs Redis 7; an older server refuses the first line, and gets the body.
+_ADVANCE_LUA = "#!lua flags=allow-oom" + _ADVANCE_BODY
+
+
+def _names_a_server(where: str) -> bool:
+    """Whether ``where`` is meant as a server's address (``SCHEME:/...``, any case, however
+    mistyped) rather than a directory: a mistyped address must be an error, not a directory
+    of that name where the other side never looks."""
+    return re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", where) is not None
 
 
 def _message_key(name: str, which: str) -> bytes:
@@ -88,7 +100,7 @@ class KVPipe:
         self._counts = {"received": 0, "skipped": 0, "damaged": 0, "too_large": 0}
         self._said_waiting = -1e9  # when _waiting last logged
         _register_with_vllm()
-        if str(where).startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+        if _names_a_server(str(where)):  # (parse_remote says what is wrong with a bad address)
             self._store: _Store = _RedisStore(str(where), name, timeout_s, password, tls_ca)
         else:
             if password is not None or tls_ca is not None:
@@ -320,6 +332,7 @@ class _RedisStore(_Store):
         self.tier = RemoteTier(url=url, password=password, timeout_s=timeout_s, part_bytes=4 << 20,
                                queue_bytes=1, counters=Counters(), writer=False, tls_ca=tls_ca)
         self.name = name
+        self._advance_script = _ADVANCE_LUA
 
     def _counter(self, counter: str, op: str, to: int = 0) -> int:
         k = f"kvpipe:{{{self.name}}}:{counter}"
@@ -328,7 +341,7 @@ class _RedisStore(_Store):
             if op == "incr":
                 p.incr(k)  # type: ignore[attr-defined]
             elif op == "advance":
-                p.eval(_ADVANCE_LUA, 1, k, to)  # type: ignore[attr-defined]
+                p.eval(self._advance_script, 1, k, to)  # type: ignore[attr-defined]
             else:
                 p.get(k)  # type: ignore[attr-defined]
 
@@ -341,6 +354,10 @@ class _RedisStore(_Store):
         except NodeUnavailable as exc:
             kind = RemoteRefused if exc.refused else OSError
             raise kind(f"kvtier pipe {self.name!r}: the server is unavailable ({exc})") from exc
+        if isinstance(reply, Exception) and op == "advance" and self._advance_script is _ADVANCE_LUA \
+                and ("near '#'" in str(reply) or "shebang" in str(reply).lower()):  # (before Redis 7)
+            self._advance_script = _ADVANCE_BODY
+            return self._counter(counter, op, to)
         if isinstance(reply, Exception):
             kind = RemoteRefused if is_refusal(reply) else OSError
             raise kind(f"kvtier pipe {self.name!r}: the server refused a counter update ({reply})")

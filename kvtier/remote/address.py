@@ -76,7 +76,7 @@ def parse_remote(url: object, password: str | None = None) -> RemoteAddress:
     hosts, _, db_part = rest.partition("/")
     db = 0
     if db_part:
-        if not db_part.isdigit():
+        if not (db_part.isascii() and db_part.isdigit()):  # (not "²": isdigit, yet int() refuses it)
             raise ConfigError(f"remote: database {db_part!r} must be a number; {form}")
         db = int(db_part)
         if db > _MAX_DB:
@@ -87,7 +87,7 @@ def parse_remote(url: object, password: str | None = None) -> RemoteAddress:
     for hp in hosts.split(","):
         host, sep, port = hp.strip().rpartition(":")
         host = host.strip("[]")  # IPv6 literals: [::1]:6379
-        if not sep or not host or any(c.isspace() or c in "/@" for c in host) or not port.isdigit() \
+        if not sep or not host or any(c.isspace() or c in "/@" for c in host) or not (port.isascii() and port.isdigit()) \
                 or not 0 < int(port) < 65536:
             raise ConfigError(f"remote: {hp!r} is not HOST:PORT (a port from 1 to 65535); {form}")
         nodes.append((host, int(port)))

@@ -39,6 +39,22 @@ def test_producer_and_consumer_processes_through_a_redis_server(redis_server: Lo
     assert keys == []  # every message deleted once received
 
 
+def test_a_server_address_in_any_case_is_a_server_and_a_mistyped_one_an_error(
+        redis_server: LocalRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``REDIS://`` (accepted as the cache's ``remote``) made a directory of that name in the
+    working directory, where the other side never looked; so did ``redis:/`` (one slash)."""
+    monkeypatch.chdir(tmp_path)
+    scheme, rest = redis_server.url.split("://", 1)
+    with KVPipe(f"{scheme.upper()}://{rest}", "p") as sender, KVPipe(redis_server.url, "p") as receiver:
+        sender.send_tensor(torch.arange(4.0))
+        assert receiver.recv_tensor(timeout=10).tolist() == [0.0, 1.0, 2.0, 3.0]
+    for mistyped, message in ((f"{scheme}:/{rest}", "not a server address"), (f"http://{rest}", "unknown scheme"),
+                              ("Redis://127.0.0.1", "is not HOST:PORT")):
+        with pytest.raises(ConfigError, match=f"remote: .*{message}"):
+            KVPipe(mistyped, "p")
+    assert list(tmp_path.iterdir()) == []  # no directory made of an address
+
+
 def test_producer_and_consumer_processes_through_a_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
     _run_pair(redis_cluster.url, "p")
 
@@ -126,6 +142,41 @@ def test_unsupported_tensors_are_refused_before_taking_a_place(tmp_path: Path) -
             p.send_tensor(torch.zeros(1001, dtype=torch.bool))
         p.send_tensor(torch.ones(2))
         assert p.recv_tensor(timeout=1).tolist() == [1.0, 1.0]  # no place was taken by the refusal
+
+
+def test_a_server_over_its_memory_limit_still_lets_the_consumer_take_its_messages(redis_server: LocalRedis) -> None:
+    """The docs ask for a server that does not evict. Over its maxmemory such a server refused
+    the tail advance that comes before a receive deletes its message, so the consumer, the
+    one side that frees memory, was stuck for good."""
+    c = redis_server.client()
+    msgs = [torch.full((1 << 18,), float(i)) for i in range(4)]  # 1 MiB each
+    with KVPipe(redis_server.url, "full") as prod, KVPipe(redis_server.url, "full") as cons:
+        for m in msgs:
+            prod.send_tensor(m)
+        old = c.config_get("maxmemory*")
+        try:
+            c.config_set("maxmemory-policy", "noeviction")
+            c.config_set("maxmemory", int(c.info("memory")["used_memory"]) - (1 << 20))
+            with pytest.raises(Exception, match="maxmemory"):
+                c.set("kvtier-test-probe", b"x" * 1024)  # (the server is full)
+            for m in msgs:
+                assert torch.equal(cons.recv_tensor(timeout=10), m)
+        finally:
+            c.config_set("maxmemory", old["maxmemory"])
+            c.config_set("maxmemory-policy", old["maxmemory-policy"])
+
+
+def test_a_server_that_refuses_the_scripts_flags_gets_the_script_without_them(
+        redis_server: LocalRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Redis 7 a script's first line cannot carry flags: the advance falls back to the
+    plain script (here a flag this server does not know stands in for an older server)."""
+    from kvtier import pipe
+
+    monkeypatch.setattr(pipe, "_ADVANCE_LUA", "#!lua flags=no-such-flag" + pipe._ADVANCE_BODY)
+    with KVPipe(redis_server.url, "old") as prod, KVPipe(redis_server.url, "old") as cons:
+        for i in range(2):
+            prod.send_tensor(torch.full((3,), float(i)))
+        assert [cons.recv_tensor(timeout=10).tolist() for _ in range(2)] == [[0.0] * 3, [1.0] * 3]
 
 
 @pytest.mark.parametrize("damage", ["manifest", "cut_short", "not_a_string"])

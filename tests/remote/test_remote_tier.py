@@ -251,6 +251,8 @@ def test_password_in_the_url_or_a_setting(tmp_path: Path, tmp_path_factory: pyte
     ("redis://h:1/99999999999999999999", "out of range"),
     ("redis:/:hunter2@127.0.0.1:1", "not a server address"),
     ("redis//user:hunter2@h:1", "not a server address"),
+    ("redis://h:6379\u00b2", "is not HOST:PORT"),  # (a superscript two: a digit to isdigit(), not to int())
+    ("redis://h:1/\u00b2", "must be a number"),
 ])
 def test_bad_addresses_are_refused_with_the_accepted_forms(tmp_path: Path, url: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
