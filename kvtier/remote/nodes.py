@@ -27,6 +27,13 @@ BACKOFF_MAX_S = 15.0
 REFRESH_EVERY_S = 2.0
 
 
+# The largest piece of a value one ``sendall`` sends. The socket's timeout bounds each call
+# whole, so a 32 MiB value in one call had to go out within remote_timeout_s (above 64 MiB/s
+# at 0.5 s): a slower link, or a busy one, looked like a dead server. In pieces, the timeout
+# bounds a wait for progress, as documented.
+SEND_PIECE_BYTES = 1 << 20
+
+
 class Joined(tuple):  # type: ignore[type-arg]
     """One command argument given as several buffers (a record's manifest and its payload),
     sent one after the other as a single value: neither this process nor the server joins
@@ -50,7 +57,8 @@ def zero_copy_connection_classes() -> tuple[type, type]:
                 parts = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in arg] \
                     if isinstance(arg, Joined) else [self.encode(arg)]
                 out.append(head + b"$%d\r\n" % sum(len(p) for p in parts))
-                out.extend(parts)
+                for p in parts:  # (redis-py sends each item with one sendall)
+                    out.extend(p[i:i + SEND_PIECE_BYTES] for i in range(0, len(p), SEND_PIECE_BYTES))
                 head = b"\r\n"
             out.append(head)
             return out

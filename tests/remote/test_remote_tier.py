@@ -626,3 +626,72 @@ def test_a_lookup_asks_the_server_once_for_every_tail_length(tmp_path: Path, red
         assert b.lookup(seq) == 4 * CHUNK + 16
         assert lookups() == 2
         assert torch.equal(b.load(seq), kv_for(head)[:, :, : 4 * CHUNK + 16])
+
+
+class _SlowLink:
+    """A loopback TCP proxy to ``port`` that forwards what the client sends at about ``rate``
+    bytes a second (replies at full speed): a link slower than loopback, as between hosts.
+    Its sockets' receive buffers are small, so the client's sends wait on the link."""
+
+    def __init__(self, port: int, rate: float) -> None:
+        import socket
+        import threading
+
+        self.target, self.rate = port, rate
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # (the accepted ones inherit it)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, self.rate), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, 0.0), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: object, dst: object, rate: float) -> None:
+        try:
+            while data := src.recv(64 << 10):  # type: ignore[attr-defined]
+                dst.sendall(data)  # type: ignore[attr-defined]
+                if rate:
+                    time.sleep(len(data) / rate)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_large_chunk_over_a_slower_link_is_stored_not_timed_out(redis_server: LocalRedis) -> None:
+    """``remote_timeout_s`` bounds a wait for progress (the docs): a 48 MiB chunk over a
+    32 MiB/s link takes 1.5 s at 0.5 s. It went out in one send, which the socket's timeout
+    bounded whole: the save timed out, the server counted as down (lookups missed too)."""
+    link = _SlowLink(redis_server.port, 32 << 20)
+    try:
+        counters = Counters()
+        tier = _tier(f"redis://127.0.0.1:{link.port}", counters, timeout_s=0.5)
+        key, payload = os.urandom(32), memoryview(os.urandom(48 << 20))
+        t0 = time.monotonic()
+        assert tier.store_many([(key, b"header", payload)]) == 1, counters.snapshot()
+        took = time.monotonic() - t0
+        assert took > 0.5, took  # (the link was slower than the timeout allows for one send)
+        assert tier.present_each([key]) == [True]
+        c = counters.snapshot()
+        assert c.get("remote_errors", 0) == 0 and c.get("remote_dropped", 0) == 0, c
+        tier.close(5)
+    finally:
+        link.close()
