@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.backends import open_shared
 from kvtier.backends.index import Lease
@@ -66,30 +66,46 @@ class StoreView:
             return [False] * len(keys)
         return there if self.remote is None or not remote else self.remote.or_present(keys, there)
 
-    def lease(self, keys: Sequence[bytes], seconds: float) -> Lease:
+    def lease(self, keys: Sequence[bytes], seconds: float) -> Future[Lease]:
         """Keep ``keys``, and the chunks they extend, from eviction for ``seconds`` (the
-        loads promised to vLLM), or until :meth:`release`. Empty if the lease could not be
-        written: the load may then find a chunk evicted, which is a recompute, not an error."""
+        loads promised to vLLM), or until :meth:`release`, which takes what this returns.
+        Written on the index's writer thread, as releases are: an index write waits for any
+        other process's commit (a server's eviction, at its budget), and vLLM's scheduling
+        loop must not. A lease written late, or not at all (its result is then empty), may let
+        a chunk be evicted before it is read: a recompute, not an error."""
+        if self._closed:  # (shutting down: no load will need it)
+            none: Future[Lease] = Future()
+            none.set_result({})
+            return none
+        return self._writer().submit(self._lease_now, keys, seconds)
+
+    def _lease_now(self, keys: Sequence[bytes], seconds: float) -> Lease:
         try:
             return self.backend.lease(keys, seconds)
         except Exception as exc:
             log.warning("kvtier: could not lease chunks for a load (%s)", exc)
             return {}
 
-    def release(self, held: Lease) -> None:
+    def release(self, held: Future[Lease]) -> None:
         """End a lease whose load is done (else it holds until it expires: eviction would
-        take fresher chunks instead). On a thread of its own: an index write waits for any
-        other process's commit, and vLLM's scheduling loop must not."""
-        if not held or self._closed:
-            return
+        take fresher chunks instead); on the same thread, after the lease was written."""
+        if not self._closed:
+            self._writer().submit(self._release_now, held)
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """The one thread that writes leases and releases, in the order they were asked."""
         if self._releaser is None or self._releaser_pid != os.getpid():  # (none is inherited by fork)
             self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtier-release")
             self._releaser_pid = os.getpid()
-        self._releaser.submit(self._release_now, held)
+        return self._releaser
 
-    def _release_now(self, held: Lease) -> None:
+    def _release_now(self, held: Future[Lease]) -> None:
+        # (a lease asked before a fork, on the parent's thread, is not this process's: none)
+        lease = held.result() if held.done() else {}
+        if not lease:
+            return
         try:
-            self.backend.release(held)
+            self.backend.release(lease)
         except Exception as exc:
             log.warning("kvtier: could not release a load's lease (%s); it expires by itself", exc)
 

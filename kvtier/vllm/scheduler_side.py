@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +125,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._uses: list[tuple[bytes, ...]] = []
         # req -> the lease on the last chunk promised to its load: (keys, when, lease)
-        self._leases: dict[str, tuple[tuple[bytes, ...], float, Lease]] = {}
+        self._leases: dict[str, tuple[tuple[bytes, ...], float, Future[Lease]]] = {}
         # req -> steps it must still be scheduled before its synchronous load is surely done
         self._sync_loading: dict[str, int] = {}
         # req -> the blocks its load in flight fills (until vLLM reports it done, or, for a

@@ -141,13 +141,13 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
         spans = [(c.start, c.key) for c in cache.chunks(TOKS)]
         view = StoreView(config(store, backend))
         try:
-            mine = view.lease(keys[-1:], 60.0)
-            assert mine
+            mine = view.lease(keys[-1:], 60.0)  # (written on the view's own thread, as releases are)
+            assert mine.result(10)
             rep = zygote.request("call", fn="evict_store",
                                  kwargs={"path": str(store), "backend": backend, "target_bytes": 0})
             assert rep["evicted"] == 2, rep  # only the unleased prompt
             assert view.count_present_chain(keys[0], spans) == 6
-            assert view.lease(keys[-1:], 0.0) == {}  # a lease only ever grows: this changes nothing
+            assert view.lease(keys[-1:], 0.0).result(10) == {}  # a lease only ever grows: this changes nothing
             assert zygote.request("call", fn="evict_store", kwargs={
                 "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
             # A second load of the prompt (another server) leases it too and ends first: the
@@ -155,7 +155,7 @@ def test_a_leased_chain_survives_eviction_until_the_lease_ends(zygote: Zygote, t
             # (Releases run on the view's own thread: wait for each to land.)
             second = view.lease(keys[-1:], 90.0)
             view.release(second)
-            _wait_for_lease(view.backend, keys[-1], mine[keys[-1]][0])
+            _wait_for_lease(view.backend, keys[-1], mine.result()[keys[-1]][0])
             assert zygote.request("call", fn="evict_store", kwargs={
                 "path": str(store), "backend": backend, "target_bytes": 0})["evicted"] == 0
             view.release(mine)
@@ -286,6 +286,47 @@ def _lease_rows(backend: Backend) -> int:
     index = backend.index
     with index.env.txn() as txn:
         return txn.stat(index._leases)["entries"]
+
+
+def test_a_lease_never_waits_for_the_index_writer(tmp_path: Path, backend: str) -> None:
+    """vLLM's scheduler leases the chunks it promises to a load. The lease is an index write,
+    which waits for any other commit (another server's eviction, at its budget): it is
+    written on the view's own thread, and lease() returns at once; it lands once the writer
+    is free, and a release asked meanwhile comes after it."""
+    import threading
+
+    store = tmp_path / "s"
+    with open_cache(store, backend) as cache:
+        cache.save(TOKS, make_kv(TOKS))
+        assert cache.flush(30)
+        k = cache.chunks(TOKS)[-1].key
+    view = StoreView(config(store, backend))
+    try:
+        env = view.backend.index.env.env_now()
+        holding, free = threading.Event(), threading.Event()
+
+        def hold_the_writer() -> None:  # (another commit, a long one)
+            with env.begin(write=True):
+                holding.set()
+                free.wait(10)
+
+        holder = threading.Thread(target=hold_the_writer)
+        holder.start()
+        assert holding.wait(10)
+        t0 = time.monotonic()
+        held = view.lease([k], 60.0)
+        second = view.lease([k], 90.0)
+        view.release(second)
+        took = time.monotonic() - t0
+        time.sleep(0.2)
+        assert not held.done() and view.backend.lookup(k).lease_until_ns == 0
+        free.set()
+        holder.join(10)
+        assert took < 0.1, took
+        assert held.result(10)
+        _wait_for_lease(view.backend, k, held.result()[k][0])  # the 90 s lease came and went
+    finally:
+        view.close()
 
 
 def _wait_for_lease(backend: Backend, key: bytes, until_ns: int) -> None:
