@@ -146,8 +146,13 @@ class SchedulerSide:
         seeds = tuple(chain_seed(ns, extras) for ns in self.namespaces)
         chunks = ranked_chunk_keys(tokens, seeds, self.chunk_tokens,
                                    self.block_size if self.save_partial else None)
+        # A resumable request (vLLM's streaming input: one request id for a whole realtime
+        # session) gets later turns appended, with audio or images its keys, made now, do not
+        # cover: its tokens past this first prompt are neither output nor keyable. Cached by
+        # this prompt only.
+        decode = self.save_decode and not getattr(request, "resumable", False)
         st = _Request(tokens, extras, seeds, chunks, len(tokens) // self.chunk_tokens,
-                      request if self.save_decode else None)
+                      request if decode else None)
         self._reqs[request.request_id] = st
         return st
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from enginehelpers import tokens
 
@@ -135,5 +136,33 @@ def test_a_consumer_reports_a_use_of_a_longer_tail_its_own_cache_served(tmp_path
     from vllm.v1.core.sched.output import SchedulerOutput
 
     assert side.build_connector_meta(SchedulerOutput.make_empty()).uses == [chunk, tail]
+    view.close()
+    store.close()
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+def test_a_streaming_session_is_cached_by_its_first_prompt_only(tmp_path: Path, resumable: bool) -> None:
+    """vLLM's streaming input (a realtime session) reuses one request id for every input
+    chunk: later turns append prompt tokens, with audio or images, that the keys made at the
+    first turn do not cover. With save_decode_chunks they were taken for output, keyed from
+    token ids alone (an audio placeholder is the same id for any audio), and loaded: a
+    session could get another's KV. (A request that is not resumable still matches its
+    output: a preempted one resumes with the answer it had.)"""
+    ns = _namespaces()[:1]
+    first = tokens(128, seed=9)
+    later = first + tokens(128, seed=10)  # the next turn's tokens, appended to the session
+    store = ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64, host_bytes=0))
+    kv = torch.zeros(2, 2, 64, 1, 32, dtype=torch.bfloat16)
+    for ref in chunk_keys(as_token_array(later), chain_seed(ns[0]), 64, None):  # what was saved of it
+        store.put(ref.key, kv.clone(), namespace_id=ns[0].id, token_start=ref.start, num_tokens=64)
+    assert store.flush(30)
+    view = StoreView(store.config)
+    side = SchedulerSide(view, ns, 32, LoraFingerprints(None), can_load=True, can_save=True, save_partial=False,
+                         save_decode=True)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=first, cache_salt=None, lora_request=None,
+                          mm_features=[], prompt_embeds=None, resumable=resumable, all_token_ids=list(first))
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 96  # the first prompt, less its last block
+    req.all_token_ids = list(later)  # the session's next turn (or, not resumable, an answer so far)
+    assert side.get_num_new_matched_tokens(req, 0)[0] == (96 if resumable else 224)
     view.close()
     store.close()
