@@ -50,6 +50,7 @@ from kvtier.host_tier import HostTier
 from kvtier.keys import KEY_BYTES, NAMESPACE_ID_BYTES
 from kvtier.metrics import Counters
 from kvtier.remote import RemoteTier, open_remote
+from kvtier.remote.tier import RemoteMiss
 
 log = logging.getLogger("kvtier")
 _ENFORCE_STEP_BYTES = 1 << 30  # most a budget check evicts in one index commit
@@ -778,9 +779,13 @@ class ChunkStore:
         tier and the local disk (not uploaded back)."""
         assert self.remote is not None
         rec = self.remote.fetch(key)
-        if rec is None:
+        if isinstance(rec, RemoteMiss):
+            if rec.damage is not None:  # (removed there, as a corrupt local record is here)
+                return self._failed(Outcome.CORRUPT, key, rec.damage)
+            # not there, or the server could not say: not stored as far as this store knows
+            # (a chunk recomputed is saved again), the remote tier's counters say which
             self.counters.add(misses=1)
-            return Loaded(Outcome.MISS)
+            return Loaded(Outcome.MISS, why=rec.why)
         try:
             header, t = codec.decode_pieces(rec.header, rec.pieces, expect_key=key, out=out,
                                             alloc=self._load_buffer,

@@ -152,6 +152,19 @@ class RemoteRecord:
     manifest: bytes = b""  # the manifest value read: deletes check it is still the same
 
 
+@dataclass
+class RemoteMiss:
+    """No record from the remote tier, and why: ``damage`` for a value there that is not a
+    whole, sound record (removed), else absent or the server could not say (``why``). False,
+    as a miss."""
+
+    why: str = "not stored"
+    damage: RecordError | None = None
+
+    def __bool__(self) -> bool:
+        return False
+
+
 class RemoteRefused(OSError):
     """The server refuses this client (credentials, a database it lacks, an ACL): trying
     again will not help (for a caller that would otherwise wait, the KV pipe)."""
@@ -241,14 +254,14 @@ class RemoteTier:
             self._unexpected("a lookup", exc)
             return 0
 
-    def fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
-        """Records for ``keys`` (None: a miss), not yet verified: pass them to
-        :func:`kvtier.codec.decode_pieces`, and one that fails there to :meth:`discard`."""
+    def fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | RemoteMiss]:
+        """Records for ``keys`` (a :class:`RemoteMiss` says why not), not yet verified: pass
+        them to :func:`kvtier.codec.decode_pieces`, and one that fails there to :meth:`discard`."""
         try:
             return self._fetch_many(keys)
         except Exception as exc:
             self._unexpected("a load", exc)
-            return [None] * len(keys)
+            return [RemoteMiss(f"the remote tier failed ({type(exc).__name__}: {exc})")] * len(keys)
 
     def store_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> int:
         """Store records ``(key, header, payload)`` now; skip those already there. Returns how
@@ -325,25 +338,27 @@ class RemoteTier:
         return [r == 1 for r in replies]
 
     # -- loads ---------------------------------------------------------------------------
-    def fetch(self, key: bytes) -> RemoteRecord | None:
-        """The chunk's record, or None (not there, damaged, or the server unavailable)."""
+    def fetch(self, key: bytes) -> RemoteRecord | RemoteMiss:
+        """The chunk's record, or why not (not there, damaged, or the server unavailable)."""
         return self.fetch_many([key])[0]
 
-    def _fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | None]:
+    def _fetch_many(self, keys: Sequence[bytes]) -> list[RemoteRecord | RemoteMiss]:
         """Records for ``keys`` in one or two pipelined round trips per node (see
         :meth:`_read`), not yet verified: pass them to :func:`kvtier.codec.decode_pieces`, and
         a record that fails there to :meth:`discard`."""
-        out: list[RemoteRecord | None] = [None] * len(keys)
+        out: list[RemoteRecord | RemoteMiss] = [RemoteMiss()] * len(keys)
         try:
             routes = self.nodes.route([chunk_name(k) for k in keys])
         except NodeUnavailable as exc:
             self._unavailable("a load", exc)
-            return out
+            return [RemoteMiss(f"the remote tier is unavailable ({exc})")] * len(keys)
         for node, client, idx in routes:
             try:
                 reads = self._read(node, client, [keys[i] for i in idx])
             except NodeUnavailable as exc:
                 self._unavailable("a load", exc)
+                for i in idx:
+                    out[i] = RemoteMiss(f"the remote tier is unavailable ({exc})")
                 continue
             refused = next((r.error for r in reads if r.error is not None and not _is_transient(r.error)), None)
             if refused is not None:  # e.g. an ACL without GETRANGE: lookups hit, every load fails
@@ -352,10 +367,13 @@ class RemoteTier:
                            "miss (a read-only user needs +getrange +strlen +exists +evalsha +eval)",
                            self.address.describe(), refused)
             for i, r in zip(idx, reads, strict=True):
-                out[i] = r.record
-                if r.damage is not None:
+                if r.record is not None:
+                    out[i] = r.record
+                elif r.damage is not None:
                     self.discard_corrupt(keys[i], r)
-                # absent, or an error reply: a miss, nothing deleted
+                    out[i] = RemoteMiss("damaged", r.damage)
+                elif r.error is not None:  # (an error reply: a miss, nothing deleted)
+                    out[i] = RemoteMiss(f"the remote tier answered an error ({r.error})")
         return out
 
     def _read(self, node: str, client: object, keys: list[bytes]) -> list[_Read]:

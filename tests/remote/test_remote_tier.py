@@ -82,6 +82,8 @@ def test_a_dead_server_is_misses_and_counters_and_hits_resume_when_it_is_back(tm
         for _ in range(50):  # the scheduler asks every step: each answer must be quick
             assert b.lookup(SEQ) == 0
         assert b.load(SEQ).shape[2] == 0
+        got = b.store.load(keys_of(SEQ)[0])  # the store's own answer says why
+        assert got.outcome.value == "miss" and "the remote tier is unavailable" in got.why, got
         other = tokens(2, 2 * CHUNK)
         b.save(other, kv_for(other))  # uploads are dropped and counted, the local save stays
         b.flush(10)
@@ -143,6 +145,9 @@ def test_damaged_values_in_the_server_are_misses(tmp_path: Path, redis_server: L
         assert b.load(seq).shape[2] == 0  # a miss: never wrong KV, never an exception
         stats = b.stats()
         assert stats["remote_corrupt"] == 1 and stats["remote_hits"] == 0
+        # said as what it is, however the damage was found (a value cut short read as "not
+        # stored" before, a flipped byte as corrupt)
+        assert stats["corrupt_records"] == 1, stats
         assert b.lookup(seq) == 0  # deleted: no lookup promises it again
         assert torch.equal(b.load(other), kv_for(other))  # the other chunk is untouched
     assert not c.exists(mine)  # hidden from every server from now on
@@ -169,8 +174,8 @@ def test_under_lru_eviction_a_chunk_is_evicted_whole(redis_server: LocalRedis) -
             assert c.strlen(k) > 200_000  # whole
         for k, v in payloads.items():
             rec = tier.fetch(k)
-            assert (rec is not None) == (tier.count_present_prefix([k]) == 1)
-            assert rec is None or b"".join(bytes(p) for p in rec.pieces) == v
+            assert bool(rec) == (tier.count_present_prefix([k]) == 1)
+            assert not rec or b"".join(bytes(p) for p in rec.pieces) == v
         assert counters.snapshot()["remote_corrupt"] == 0
     finally:
         tier.close(0)
@@ -281,7 +286,7 @@ def test_a_database_the_server_lacks_is_an_unavailable_server(redis_server: Loca
         key = os.urandom(32)
         assert tier.store_many([(key, b"header", memoryview(b"x"))]) == 0
         assert [tier.count_present_prefix([key]) for _ in range(20)] == [0] * 20
-        assert tier.fetch(key) is None
+        assert not tier.fetch(key)
         assert "DB index is out of range" in caplog.text and "check the address's database" in caplog.text
         assert counters.snapshot()["remote_dropped"] == 1
     finally:
@@ -483,7 +488,7 @@ def test_a_record_over_the_servers_largest_value_is_dropped_not_sent(redis_serve
         assert tier.store_many([(small, b"h", memoryview(os.urandom(500_000))),
                                 (big, b"h", memoryview(os.urandom(2_000_000)))]) == 1
         assert tier.count_present_prefix([small]) == 1 and tier.count_present_prefix([big]) == 0
-        assert tier.fetch(small) is not None
+        assert tier.fetch(small)
     finally:
         tier.close(0)
         c.config_set("proto-max-bulk-len", 512 << 20)
@@ -512,11 +517,11 @@ def test_a_chunk_rewritten_or_gone_between_a_loads_two_round_trips_is_a_miss_not
     try:
         assert writer.store_many([(key, b"h", payload)]) == 1
         with _between_round_trips(tier, interfere):
-            assert tier.fetch(key) is None
+            assert not tier.fetch(key)
         assert counters.snapshot()["remote_corrupt"] == 0
         assert c.exists(chunk_name(key)) == (case == "rewritten")  # the new copy is kept
         if case == "rewritten":
-            assert tier.fetch(key) is not None
+            assert tier.fetch(key)
     finally:
         tier.close(0)
         writer.close(0)
@@ -539,7 +544,7 @@ def test_a_foreign_value_that_cannot_be_a_chunk_is_damage(redis_server: LocalRed
     tier = _tier(redis_server.url, counters=counters)
     try:
         assert tier.count_present_prefix([key]) == 1  # (there, as far as a lookup can tell)
-        assert tier.fetch(key) is None
+        assert not tier.fetch(key)
         assert counters.snapshot()["remote_corrupt"] == 1
         assert not c.exists(chunk_name(key))
         assert tier.count_present_prefix([key]) == 0
@@ -594,9 +599,9 @@ def test_a_chunk_written_while_a_load_misses_it_is_kept(redis_server: LocalRedis
 
     try:
         with _between_round_trips(tier, write):
-            assert tier.fetch(key) is None  # a miss: it was not there when looked at
+            assert not tier.fetch(key)  # a miss: it was not there when looked at
         assert counters.snapshot()["remote_corrupt"] == 0 and c.exists(chunk_name(key))
-        assert tier.fetch(key) is not None
+        assert tier.fetch(key)
     finally:
         tier.close(0)
         writer.close(0)
