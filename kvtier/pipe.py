@@ -20,12 +20,15 @@ servers; a pipe hands each message from one producer to one consumer, once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,8 +85,9 @@ class KVPipe:
         if not isinstance(where, str | os.PathLike):
             raise TypeError(f"KVPipe(where, name): where must be a redis:// address or a directory path, "
                             f"got {type(where).__name__}")
-        if not isinstance(name, str) or not name or "/" in name or "\0" in name:
-            raise ConfigError(f"pipe name {name!r}: must be non-empty, without '/' or NUL")
+        if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
+            # (".." would put a directory pipe's files beside its directory, "." in it)
+            raise ConfigError(f"pipe name {name!r}: must be non-empty, without '/' or NUL, and not '.' or '..'")
         if skip_after_s < 0:
             raise ConfigError(f"skip_after_s {skip_after_s}: must be >= 0")
         self.name = name
@@ -417,16 +421,30 @@ class _DirStore(_Store):
             return 0
 
     def next_seq(self, counter: str) -> int:
-        n = self.peek_seq(counter) + 1
-        self._replace(self.dir / counter, [str(n).encode()])
+        with self._counters_locked():  # (two producers, in any process, take two places)
+            n = self.peek_seq(counter) + 1
+            self._replace(self.dir / counter, [str(n).encode()])
         return n
 
     def advance(self, counter: str, to: int) -> None:
-        if self.peek_seq(counter) < to:
-            self._replace(self.dir / counter, [str(to).encode()])
+        with self._counters_locked():
+            if self.peek_seq(counter) < to:
+                self._replace(self.dir / counter, [str(to).encode()])
+
+    @contextlib.contextmanager
+    def _counters_locked(self) -> Iterator[None]:
+        """The pipe's counters to this thread alone while it reads and rewrites one (a lock
+        on a file beside them: every process that can reach the directory honours it)."""
+        fd = os.open(self.dir / ".counters.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (and with it the lock)
 
     def _replace(self, path: Path, parts: list[bytes | memoryview]) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # (a name of this thread's own: two threads of one process write side by side)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             for part in parts:

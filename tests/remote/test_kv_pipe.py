@@ -97,6 +97,9 @@ def test_bad_pipe_names_and_places(tmp_path: Path) -> None:
         KVPipe(tmp_path / "f", "p")
     # arguments of the wrong type say what to give (they failed deep inside: "argument of
     # type 'int' is not iterable", "'list' object has no attribute 'detach'")
+    for name in (".", ".."):  # (".." put the pipe's files beside its directory)
+        with pytest.raises(ConfigError, match="not '.' or '..'"):
+            KVPipe(tmp_path / "pipes", name)
     with pytest.raises(ConfigError, match="pipe name 5: must be non-empty"):
         KVPipe(tmp_path, 5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="where must be a redis:// address or a directory path, got int"):
@@ -108,6 +111,29 @@ def test_bad_pipe_names_and_places(tmp_path: Path) -> None:
             p.recv_tensor(timeout="1")  # type: ignore[arg-type]
         p.send_tensor(torch.ones(2))  # nothing above took a place in the order
         assert p.recv_tensor(timeout=2).tolist() == [1.0, 1.0]
+
+
+def test_producers_side_by_side_on_a_directory_lose_no_message(tmp_path: Path) -> None:
+    """Two producers (threads here; processes alike) sending at once: each message takes
+    its own place and arrives (a counter read and rewritten without a lock gave two of them
+    one place, and a temp file named by the process alone mixed two threads' messages)."""
+    import threading
+
+    per = 150
+
+    def produce(base: int) -> None:
+        with KVPipe(tmp_path, "many") as p:
+            for i in range(per):
+                p.send_tensor(torch.tensor([float(base + i)]))
+
+    threads = [threading.Thread(target=produce, args=(b,)) for b in (0, 1000)]
+    for t in threads:
+        t.start()
+    with KVPipe(tmp_path, "many", skip_after_s=1.0) as c:
+        got = [c.recv_tensor(timeout=20).item() for _ in range(2 * per)]
+    for t in threads:
+        t.join(30)
+    assert sorted(got) == [float(i) for i in range(per)] + [float(1000 + i) for i in range(per)]
 
 
 def test_a_failed_send_does_not_stall_the_fifo(tmp_path: Path) -> None:
