@@ -41,6 +41,7 @@ from typing import TypeVar
 import numpy as np
 
 from kvtier.anon_memory import anonymous_map
+from kvtier.backends.fsync import fsync_path
 from kvtier.backends.index import ORPHAN_GRACE_S, EntryInfo, pid_alive, pid_scope
 from kvtier.backends.payloads import (
     PayloadStore,
@@ -326,11 +327,7 @@ class FilePayloads(PayloadStore):
 
     def _fsync_dirs(self, dirs: set[str]) -> None:
         for d in dirs:
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(d)
 
     def delete(self, entries: list[EntryInfo]) -> list[EntryInfo]:
         kept = []

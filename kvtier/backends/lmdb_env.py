@@ -26,6 +26,7 @@ from pathlib import Path
 import lmdb
 
 from kvtier import forksafe
+from kvtier.backends.fsync import fsync_path
 from kvtier.backends.lmdb_check import damage_report, damaged_store
 from kvtier.errors import StoreError
 
@@ -327,12 +328,16 @@ class EnvHandle:
             with GATE.held():
                 env.copy(str(tmp), compact=True)
             _same_owner_and_mode(tmp / "data.mdb", data)
+            # (LMDB's copy is not synced: replaced unsynced, a power loss soon after could
+            # leave the store's only data file empty or partial, whatever its durability)
+            fsync_path(tmp / "data.mdb")
             with GATE.exclusive(timeout=30.0) as ok:
                 if not ok:
                     raise lmdb.Error(f"{self.path}: transactions stayed open; compact later")
                 forget_env(self.path, env)
                 forgotten = True
                 os.replace(tmp / "data.mdb", data)
+                fsync_path(self.path)  # (the rename itself)
                 tmp.rmdir()
         except BaseException:
             _remove_copy(tmp)  # a partial copy (e.g. on a full disk) must not stay behind

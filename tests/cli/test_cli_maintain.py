@@ -307,3 +307,29 @@ def test_compact_refuses_when_it_cannot_give_a_file_back_to_its_owner(
     one_line_error(r, 1, "owned by user 65534", "run compact as the store's owner")
     assert {f: (store / f).read_bytes() for f in before} == before
     assert not list(store.rglob("compact.tmp"))
+
+
+def test_compact_syncs_the_copy_before_it_replaces_the_file(built_stores: dict[str, Built], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMDB's copy is not synced, and the rename of it over the data file needs its directory
+    synced: without both, a power loss soon after a compact could leave the store's only
+    data file empty or partial. Each file is synced before it replaces the old one, and its
+    directory after."""
+    import os
+
+    from kvtier.backends import lmdb_env
+
+    store = tmp_path / "lmdb"
+    shutil.copytree(built_stores["lmdb"].path, store)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = lmdb_env.fsync_path, os.replace
+    monkeypatch.setattr(lmdb_env, "fsync_path", lambda p: (events.append(("fsync", str(p))), real_fsync(p))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    assert run_main(capsys, "compact", store).returncode == 0
+    for env in ("lmdb", "index"):
+        data, where = str(store / env / "data.mdb"), str(store / env)
+        copy = str(store / env / "compact.tmp" / "data.mdb")
+        at = events.index(("replace", data))
+        assert ("fsync", copy) in events[:at], events
+        assert ("fsync", where) in events[at + 1:], events
