@@ -337,6 +337,8 @@ class Backend:
         self.payloads.after_fork_in_child()
 
     def close(self) -> None:
+        if self._unremoved and not self.readonly:  # (a last try: no later process knows of them)
+            self._remove_payloads([])
         self.payloads.close()
         self.index.close()
 

@@ -219,8 +219,9 @@ def test_payloads_a_removal_could_not_free_are_freed_by_the_next(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Evicted records' bytes are removed after the index commit that hid them. If that
     removal fails (a full disk: LMDB needs free pages to commit it), the batch is still
-    stored and counted so, and the bytes are freed by the next removal that works: nothing
-    else names them (the orphan sweep runs only after a writer died)."""
+    stored and counted so, and the bytes are freed by the next removal that works, or at
+    the latest by the store's close: nothing else names them (the orphan sweep runs only
+    after a writer died)."""
     import errno
     import os
 
@@ -265,6 +266,20 @@ def test_payloads_a_removal_could_not_free_are_freed_by_the_next(tmp_path: Path,
             assert stored_payloads() > b.usage()[0]  # evicted, not yet removed
         cache.save(_seq("B", 5), make_kv(_seq("B", 5)))  # the disk has room again
         assert cache.flush(30)
+        assert stored_payloads() == b.usage()[0]
+        # With no removal after it, the store's close tries once more (no other process
+        # knows of them: they stayed on the disk for good)
+        with monkeypatch.context() as m:
+            if backend == "files":
+                m.setattr(files_backend.os, "unlink", full_disk_unlink)
+            else:
+                m.setattr(LmdbPayloads, "_remove", full_disk_remove)
+            for i in range(6, 9):
+                cache.save(_seq("B", i), make_kv(_seq("B", i)))
+            assert cache.flush(30)
+            assert stored_payloads() > b.usage()[0]
+    with open_cache(store, backend) as cache:
+        b = cache.store.backend
         assert stored_payloads() == b.usage()[0]
 
 
