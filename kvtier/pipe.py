@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier import codec
-from kvtier.config import seconds
+from kvtier.config import positive_int, seconds
 from kvtier.errors import ConfigError, RecordError, RecordTooLarge
 from kvtier.remote.nodes import NodeUnavailable
 from kvtier.remote.tier import MAX_VALUE_BYTES, DamagedRemoteRecord, RemoteRefused, is_refusal
@@ -88,8 +88,14 @@ class KVPipe:
         if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
             # (".." would put a directory pipe's files beside its directory, "." in it)
             raise ConfigError(f"pipe name {name!r}: must be non-empty, without '/' or NUL, and not '.' or '..'")
+        # (None or a string would fail far from here: None blocked a Redis socket for good)
+        for setting, value in (("timeout_s", timeout_s), ("skip_after_s", skip_after_s)):
+            seconds(f"KVPipe({setting})", value)
+        if not timeout_s > 0:
+            raise ConfigError(f"KVPipe(timeout_s): must be above 0 seconds, got {timeout_s!r}")
         if skip_after_s < 0:
             raise ConfigError(f"skip_after_s {skip_after_s}: must be >= 0")
+        positive_int("KVPipe(max_tensor_bytes)", max_tensor_bytes)
         self.name = name
         self.device = device
         self.max_tensor_bytes = max_tensor_bytes

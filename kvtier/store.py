@@ -979,6 +979,8 @@ class ChunkStore:
         """Load several chunks on the I/O pool; the future's result has None for misses."""
         _check_keys("get_async", keys)
         outs = list(outs) if outs is not None else [None] * len(keys)
+        if len(outs) != len(keys):  # (else a zip error, raised by the future)
+            raise ValueError(f"get_async: one destination per key ({len(keys)} keys, {len(outs)} outs)")
         return self._submit(lambda: [self.get(k, o) for k, o in zip(keys, outs, strict=True)])
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:

@@ -97,6 +97,12 @@ def test_bad_pipe_names_and_places(tmp_path: Path) -> None:
         KVPipe(tmp_path / "f", "p")
     # arguments of the wrong type say what to give (they failed deep inside: "argument of
     # type 'int' is not iterable", "'list' object has no attribute 'detach'")
+    for kwargs, message in (({"timeout_s": None}, r"KVPipe\(timeout_s\): must be a number of seconds, got None"),
+                            ({"timeout_s": 0}, r"KVPipe\(timeout_s\): must be above 0 seconds"),
+                            ({"skip_after_s": "5"}, r"KVPipe\(skip_after_s\): must be a number of seconds"),
+                            ({"max_tensor_bytes": 0}, r"KVPipe\(max_tensor_bytes\): must be a positive integer")):
+        with pytest.raises(ConfigError, match=message):  # (None blocked a Redis socket for good)
+            KVPipe(tmp_path / "pipes", "p", **kwargs)  # type: ignore[arg-type]
     for name in (".", ".."):  # (".." put the pipe's files beside its directory)
         with pytest.raises(ConfigError, match="not '.' or '..'"):
             KVPipe(tmp_path / "pipes", name)

@@ -82,6 +82,13 @@ def test_a_put_of_token_counts_no_record_can_hold_is_refused_at_the_call(
         assert store.counters.snapshot()["io_errors"] == 0 and not store.present_each([b"a" * 32])[0]
 
 
+def test_get_async_with_another_number_of_destinations_is_refused_at_the_call(tmp_path: Path) -> None:
+    """It failed inside the future, with zip()'s message."""
+    with ChunkStore(CacheConfig(path=tmp_path / "s", chunk_tokens=64)) as store, \
+            pytest.raises(ValueError, match=r"get_async: one destination per key \(2 keys, 1 outs\)"):
+        store.get_async([b"a" * 32, b"b" * 32], [_chunk()])
+
+
 def test_failed_open_leaks_no_threads_or_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtier.backends.base import Backend
     from kvtier.errors import StoreFull
