@@ -357,8 +357,9 @@ class RemoteTier:
                 reads = self._read(node, client, [keys[i] for i in idx])
             except NodeUnavailable as exc:
                 self._unavailable("a load", exc)
+                down = RemoteMiss(f"the remote tier is unavailable ({exc})")
                 for i in idx:
-                    out[i] = RemoteMiss(f"the remote tier is unavailable ({exc})")
+                    out[i] = down
                 continue
             refused = next((r.error for r in reads if r.error is not None and not _is_transient(r.error)), None)
             if refused is not None:  # e.g. an ACL without GETRANGE: lookups hit, every load fails
